@@ -1,0 +1,1 @@
+"""Attention backends and the paged-attention custom op."""

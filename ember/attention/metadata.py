@@ -1,0 +1,65 @@
+"""AttentionMetadata: the tensors every paged-attention call of one step shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Flattened-batch attention inputs.
+
+    slot_mapping     [num_tokens]      cache slot (block_id * block_size + offset) per token
+    query_start_loc  [num_seqs + 1]    start of each sequence's tokens in the stream
+    seq_lens         [num_seqs]        context length of each sequence after this step
+    block_tables     [num_seqs, max_blocks]  block ids per sequence, padded with the null block
+    Padding tokens map to slots of the null block; padding sequences have no tokens and
+    seq_len 0.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+
+def build_attention_metadata(
+    num_computed: list[int],
+    num_new: list[int],
+    block_tables: list[tuple[int, ...]],
+    block_size: int,
+    max_blocks: int,
+    num_tokens_padded: int,
+    num_seqs_padded: int,
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Build metadata and `positions [num_tokens_padded]` for sequences laid end to end."""
+    num_seqs = len(num_new)
+    num_tokens = sum(num_new)
+    positions = np.zeros(num_tokens_padded, dtype=np.int64)
+    slots = np.zeros(num_tokens_padded, dtype=np.int64)
+    tables = np.zeros((num_seqs_padded, max_blocks), dtype=np.int32)
+    qsl = np.full(num_seqs_padded + 1, num_tokens, dtype=np.int32)
+    seq_lens = np.zeros(num_seqs_padded, dtype=np.int32)
+    start = 0
+    for i in range(num_seqs):
+        n, c, table = num_new[i], num_computed[i], block_tables[i]
+        pos = np.arange(c, c + n, dtype=np.int64)
+        blocks = np.asarray(table, dtype=np.int64)
+        positions[start : start + n] = pos
+        slots[start : start + n] = blocks[pos // block_size] * block_size + pos % block_size
+        tables[i, : len(table)] = table
+        qsl[i] = start
+        seq_lens[i] = c + n
+        start += n
+    # Padding tokens write round-robin into the null block (block 0).
+    slots[num_tokens:] = np.arange(num_tokens_padded - num_tokens) % block_size
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots),
+        query_start_loc=torch.from_numpy(qsl),
+        seq_lens=torch.from_numpy(seq_lens),
+        block_tables=torch.from_numpy(tables),
+    )
+    return meta, torch.from_numpy(positions)

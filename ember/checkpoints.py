@@ -1,0 +1,94 @@
+"""Seeded random-init HF checkpoints with a byte-level BPE tokenizer, built offline.
+
+No model hub is reachable, so the CLI, the tests and the benchmarks build their own small
+checkpoints with `save_pretrained` (safetensors). Shapes of real models are available for
+benchmarks (`llama-160m`, `qwen2-0.5b`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single
+step. To be or not to be, that is the question. All that glitters is not gold. The early bird
+catches the worm. Knowledge is power. Time flies like an arrow; fruit flies like a banana.
+In the beginning was the word, and the word was with the machine. Hello, world! How are you
+today? I am fine, thank you. Once upon a time there was a small engine that could run large
+models on a tiny computer. It read the weights, wrote the cache and sampled the next token.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: ( ) [ ] { } < > , . ; : ! ? ' " - _ /
+"""
+
+_FAMILIES: dict[str, Any] = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+
+# name -> (family, config overrides)
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny-llama": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512)),
+    "tiny-qwen2": ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512)),
+    "tiny-mistral": ("mistral", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=1, vocab_size=512,
+                                     sliding_window=24)),
+    "small-llama": ("llama", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                  num_attention_heads=8, num_key_value_heads=4, vocab_size=2048)),
+    "llama-160m": ("llama", dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                                 num_attention_heads=12, num_key_value_heads=4, vocab_size=32000)),
+    "qwen2-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                 tie_word_embeddings=True)),
+}
+
+
+def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on a fixed corpus (deterministic, offline)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS], trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def build_checkpoint(path: str, shape: str = "tiny-llama", seed: int = 0,
+                     dtype: torch.dtype = torch.float32, initializer_range: float = 0.1,
+                     **overrides: Any) -> str:
+    """Write a seeded random-init checkpoint of `shape` to `path` (config, safetensors,
+    tokenizer) unless one with the same recipe is already there. Returns `path`."""
+    family, shape_kwargs = SHAPES[shape]
+    recipe = dict(shape=shape, seed=seed, dtype=str(dtype), init=initializer_range, **overrides)
+    stamp = os.path.join(path, "ember_recipe.json")
+    if os.path.isfile(stamp):
+        with open(stamp) as f:
+            if json.load(f) == json.loads(json.dumps(recipe)):
+                return path
+    kwargs = dict(shape_kwargs, initializer_range=initializer_range, bos_token_id=0,
+                  eos_token_id=1, pad_token_id=None, max_position_embeddings=2048)
+    kwargs.update(overrides)
+    config = _FAMILIES[family](**kwargs)
+    tokenizer = build_tokenizer(min(config.vocab_size, 4096))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    with open(stamp, "w") as f:
+        json.dump(recipe, f)
+    return path
+
+
+def default_model_dir() -> str:
+    """Where `ember generate` caches its small default checkpoint."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "ember", "models", "small-llama")

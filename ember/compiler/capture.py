@@ -1,0 +1,102 @@
+"""Load an HF causal LM with its attention routed to ember's paged-attention op.
+
+The HF modeling code is used unmodified: only `attn_implementation` is set to ember's function
+in transformers' attention registry. This module is also the one place that will call
+`torch.compile` (see `capture_forward`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from ember.compiler.hf_bridge import ATTN_IMPLEMENTATION
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint cannot be served by ember; the message names the reason."""
+
+
+def load_hf_config(model_dir: str) -> PretrainedConfig:
+    """Read `config.json` of a local checkpoint directory, offline."""
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"model must be a local checkpoint directory, got {model_dir!r}")
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise UnsupportedModelError(f"model directory {model_dir!r} has no config.json")
+    try:
+        with open(path) as f:
+            json.load(f)
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        raise UnsupportedModelError(f"cannot read config of {model_dir!r}: {e}") from e
+
+
+def check_supported(config: PretrainedConfig) -> type[PreTrainedModel]:
+    """Return the causal-LM class for `config`, or raise naming the architecture."""
+    archs = getattr(config, "architectures", None) or [config.model_type]
+    arch = archs[0]
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UnsupportedModelError(
+            f"architecture {arch!r} (model_type {config.model_type!r}) is not a causal LM "
+            "that ember can capture"
+        )
+    model_cls = AutoModelForCausalLM._model_mapping[type(config)]
+    if not getattr(model_cls, "_supports_attention_backend", False):
+        raise UnsupportedModelError(
+            f"architecture {arch!r} does not route attention through transformers' attention "
+            "interface, so ember cannot capture it"
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"architecture {arch!r} is encoder-decoder; not supported yet")
+    return model_cls
+
+
+def load_causal_lm(model_dir: str, dtype: torch.dtype) -> PreTrainedModel:
+    """Load weights (safetensors, offline) in `dtype`, eval mode, attention routed to ember."""
+    config = load_hf_config(model_dir)
+    check_supported(config)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+            local_files_only=True, use_safetensors=None,
+        )
+    except (OSError, ValueError, RuntimeError) as e:
+        raise UnsupportedModelError(f"cannot load weights of {model_dir!r}: {e}") from e
+    model.eval().requires_grad_(False)
+    return model
+
+
+def kv_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of the text model."""
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return config.num_hidden_layers, num_kv_heads, head_dim
+
+
+def capture_forward(model: PreTrainedModel) -> Callable[..., Any]:
+    """The forward the runner calls: `(input_ids, positions, logits_indices, meta, kv_caches)`.
+
+    Returns logits [num_logits, vocab] for the rows at `logits_indices`.
+    """
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
+                attn_metadata: Any, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        out = model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            logits_to_keep=logits_indices,
+            use_cache=False,
+            attn_metadata=attn_metadata,
+            kv_caches=kv_caches,
+        )
+        return out.logits[0]
+
+    return forward

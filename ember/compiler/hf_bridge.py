@@ -1,0 +1,57 @@
+"""ember's function in transformers' attention registry: maps HF call args to op args.
+
+Traced by torch.compile: no `.item()`, no branching on tensor values, no globals read.
+The per-step tensors arrive as explicit keyword arguments of the HF forward call
+(`attn_metadata`, `kv_caches`), which transformers passes through to every attention call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+
+from ember.attention import ops  # noqa: F401  (registers torch.ops.ember.*)
+from ember.attention.metadata import AttentionMetadata
+
+ATTN_IMPLEMENTATION = "ember"
+
+
+def ember_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """query [1, num_heads, num_tokens, head_dim], key/value [1, num_kv_heads, num_tokens, head_dim].
+
+    Returns attn_output [1, num_tokens, num_heads, head_dim], as HF's attention functions do.
+    """
+    meta: AttentionMetadata = kwargs["attn_metadata"]
+    kv_cache = kwargs["kv_caches"][module.layer_idx]
+    head_dim = query.shape[-1]
+    out = torch.ops.ember.paged_attention(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        kv_cache,
+        meta.slot_mapping,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        float(scaling if scaling is not None else head_dim**-0.5),
+        int(sliding_window or 0),
+        float(softcap or 0.0),
+        bool(getattr(module, "is_causal", True)),
+    )
+    return out[None], None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, ember_attention_forward)

@@ -1,0 +1,129 @@
+"""Frozen engine configuration, validated on construction.
+
+"auto" values (dtype, max_model_len) are resolved by `resolve_engine_config` before the frozen
+`EngineConfig` is built; nothing patches a config afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("ember")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def _check_range(name: str, value: int | float, low: int | float, high: int | float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has bf16 matrix instructions (AVX512-BF16 or AMX-BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None) -> torch.dtype:
+    """Map a user dtype ("auto", "float32", "bfloat16", "float16", torch.dtype) to the run dtype.
+
+    "auto" is float32 on CPUs without native bf16 math, where bf16 GEMMs are several times
+    slower; else the checkpoint's dtype. float16 is cast to bfloat16 with a warning.
+    """
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif dtype == "auto":
+        if not cpu_has_native_bf16() or config_dtype in (None, torch.float32):
+            resolved = torch.float32
+        else:
+            resolved = torch.bfloat16
+    elif isinstance(dtype, str) and dtype in _DTYPES:
+        resolved = _DTYPES[dtype]
+    else:
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
+    if resolved == torch.float16:
+        warnings.warn("float16 is not supported on CPU; casting to bfloat16", stacklevel=3)
+        resolved = torch.bfloat16
+    if resolved not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {resolved}")
+    return resolved
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to know, fixed for the engine's lifetime.
+
+    Units: `kv_cache_gib` in GiB for all layers' K and V together; `block_size` in tokens;
+    `max_model_len` in tokens (prompt + output of one request).
+    """
+
+    model: str
+    dtype: torch.dtype
+    kv_cache_gib: float
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    seed: int
+    compile: bool
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        _check_range("kv_cache_gib", self.kv_cache_gib, 1e-6, 1024)
+        _check_range("block_size", self.block_size, 1, 1024)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two in [1, 1024], got {self.block_size}")
+        _check_range("max_num_seqs", self.max_num_seqs, 1, 4096)
+        _check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
+        _check_range("max_model_len", self.max_model_len, 1, 1 << 24)
+        _check_range("max_logprobs", self.max_logprobs, 0, 1 << 20)
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype}")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of the paged KV cache, derived from the model and `EngineConfig.kv_cache_gib`."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @staticmethod
+    def num_blocks_for(
+        kv_cache_gib: float, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+        dtype: torch.dtype,
+    ) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+        return int(kv_cache_gib * (1 << 30)) // per_block

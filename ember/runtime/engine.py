@@ -1,0 +1,243 @@
+"""LLMEngine: add_request / step / abort_request. The only outer loop.
+
+One step: `plan = scheduler.schedule()`, `result = runner.execute(plan)`,
+`scheduler.update(plan, result)`, then detokenize and check stop strings.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from ember.compiler.capture import kv_geometry, load_causal_lm
+from ember.runtime.batch import TokenLogprobs
+from ember.runtime.block_manager import BlockManager
+from ember.runtime.config import EngineConfig, KVCacheSpec
+from ember.runtime.model_runner import ModelRunner
+from ember.runtime.outputs import (
+    CompletionOutput,
+    IncrementalDetokenizer,
+    Logprob,
+    RequestOutput,
+    find_stop_string,
+)
+from ember.runtime.request import Request, RequestStatus, SamplingParams
+from ember.runtime.scheduler import Scheduler
+
+logger = logging.getLogger("ember")
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+@dataclass
+class _ParentState:
+    """A user request: its prompt and one child per parallel sample (`n`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    child_ids: list[str]
+    completions: list[CompletionOutput]
+    detokenizers: list[IncrementalDetokenizer]
+    num_cached_tokens: int = 0
+
+
+def _child_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model. Not thread-safe."""
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module,
+                 tokenizer: PreTrainedTokenizerBase | None, num_blocks: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_config = model.config
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.eos_token_id = _eos_id(model, tokenizer)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            config.max_model_len,
+        )
+        self.runner = ModelRunner(model, config, num_blocks)
+        self._rng = random.Random(config.seed)
+        self._parents: dict[str, _ParentState] = {}
+        self._child_to_parent: dict[str, tuple[str, int]] = {}
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        model = load_causal_lm(config.model, config.dtype)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+        except (OSError, ValueError, TypeError) as e:
+            logger.warning("no tokenizer in %s (%s); only token-id prompts work", config.model, e)
+            tokenizer = None
+        num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
+        num_blocks = KVCacheSpec.num_blocks_for(
+            config.kv_cache_gib, num_layers, num_kv_heads, head_dim, config.block_size, config.dtype
+        )
+        # One block is the reserved dummy block for padding.
+        if num_blocks - 1 < config.max_blocks_per_seq:
+            raise ValueError(
+                f"kv_cache_gib={config.kv_cache_gib} holds {max(num_blocks - 1, 0) * config.block_size}"
+                f" tokens, fewer than max_model_len={config.max_model_len}; raise kv_cache_gib or"
+                " lower max_model_len"
+            )
+        return cls(config, model, tokenizer, num_blocks)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompt_token_ids")
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a token-id list or a dict, got {type(prompt)}")
+
+    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty: it must have at least 1 token")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len={self.config.max_model_len} "
+                "leaves no room for output (prompt must be shorter than max_model_len)"
+            )
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs must be <= max_logprobs={self.config.max_logprobs}")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        """Queue a request; raises ValueError for bad input, leaving the engine untouched."""
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self.tokenize(prompt)
+        self._validate_prompt(token_ids, params)
+        max_tokens = min(params.max_tokens or self.config.max_model_len,
+                         self.config.max_model_len - len(token_ids))
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        child_ids = [_child_id(request_id, i, params.n) for i in range(params.n)]
+        parent = _ParentState(
+            request_id, text, token_ids, params, child_ids,
+            completions=[CompletionOutput(i, "", [], None, None) for i in range(params.n)],
+            detokenizers=[IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+                          for _ in range(params.n)],
+        )
+        for i, cid in enumerate(child_ids):
+            generator = torch.Generator().manual_seed(base_seed + i)
+            request = Request(cid, token_ids, params, self.eos_token_id, max_tokens, generator)
+            self.scheduler.add_request(request)
+            self._child_to_parent[cid] = (request_id, i)
+        self._parents[request_id] = parent
+
+    def abort_request(self, request_id: str) -> None:
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return
+        for cid in parent.child_ids:
+            self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
+            self._child_to_parent.pop(cid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return outputs of requests that got tokens or finished."""
+        plan = self.scheduler.schedule()
+        if not plan.requests:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("scheduler made no progress with requests waiting")
+            return []
+        result = self.runner.execute(plan)
+        updated, finished = self.scheduler.update(plan, result)
+        touched: dict[str, None] = {}
+        for request in updated:
+            self._process_token(request, result.logprobs.get(request.request_id))
+            touched[self._child_to_parent[request.request_id][0]] = None
+        return [out for pid in touched if (out := self._parent_output(pid)) is not None]
+
+    def _process_token(self, request: Request, logprobs: TokenLogprobs | None) -> None:
+        parent_id, index = self._child_to_parent[request.request_id]
+        parent = self._parents[parent_id]
+        completion = parent.completions[index]
+        detok = parent.detokenizers[index]
+        token = request.output_token_ids[-1]
+        num_new_chars = detok.append(token)
+        completion.token_ids = list(request.output_token_ids)
+        if index == 0:
+            parent.num_cached_tokens = max(request.num_cached_tokens, 0)
+        if logprobs is not None:
+            self._append_logprobs(completion, logprobs)
+        stop = find_stop_string(detok.text, num_new_chars, request.params.stop,
+                                request.params.include_stop_str_in_output)
+        if stop is not None and not request.status.finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            request.stop_reason = stop[1]
+        if request.status.finished:
+            if stop is None:
+                detok.flush()
+            completion.finish_reason = "stop" if request.status == RequestStatus.FINISHED_STOPPED else "length"
+            completion.stop_reason = request.stop_reason
+        completion.text = stop[0] if stop is not None else detok.text
+
+    def _append_logprobs(self, completion: CompletionOutput, lp: TokenLogprobs) -> None:
+        entry = {
+            t: Logprob(v, r, self.tokenizer.decode([t]) if self.tokenizer is not None else None)
+            for t, v, r in zip(lp.token_ids, lp.logprobs, lp.ranks)
+        }
+        if completion.logprobs is None:
+            completion.logprobs = []
+        completion.logprobs.append(entry)
+        completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + lp.logprobs[0]
+
+    def _parent_output(self, parent_id: str) -> RequestOutput | None:
+        parent = self._parents.get(parent_id)
+        if parent is None:
+            return None
+        finished = all(c.finish_reason is not None for c in parent.completions)
+        out = RequestOutput(
+            parent.request_id, parent.prompt, parent.prompt_token_ids,
+            [CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
+                              list(c.logprobs) if c.logprobs is not None else None,
+                              c.finish_reason, c.stop_reason) for c in parent.completions],
+            finished, parent.num_cached_tokens,
+        )
+        if finished:
+            del self._parents[parent_id]
+            for cid in parent.child_ids:
+                self._child_to_parent.pop(cid, None)
+        return out
+
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+
+def _eos_id(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> int | None:
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if isinstance(eos, Sequence):
+        eos = eos[0] if eos else None
+    return eos

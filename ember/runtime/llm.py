@@ -1,0 +1,134 @@
+"""The user-facing `LLM` class, in vLLM's shape."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ember.compiler.capture import check_supported, load_hf_config
+from ember.runtime.config import EngineConfig, resolve_dtype
+from ember.runtime.engine import LLMEngine, PromptType
+from ember.runtime.outputs import RequestOutput
+from ember.runtime.request import SamplingParams
+
+DEFAULT_KV_CACHE_GIB = 4.0
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_SEQS = 128
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def build_engine_config(
+    model: str,
+    dtype: str | torch.dtype = "auto",
+    kv_cache_gib: float = DEFAULT_KV_CACHE_GIB,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    max_model_len: int | None = None,
+    seed: int = 0,
+    compile: bool = False,
+) -> EngineConfig:
+    """Resolve "auto" values against the checkpoint, then build the frozen config."""
+    hf_config = load_hf_config(model)
+    check_supported(hf_config)
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = getattr(torch, config_dtype, None)
+    max_positions = getattr(hf_config, "max_position_embeddings", None) or 1 << 16
+    if max_model_len is None:
+        max_model_len = max_positions
+    elif isinstance(max_model_len, int) and max_model_len > max_positions:
+        raise ValueError(
+            f"max_model_len must be <= the model's max_position_embeddings={max_positions}, "
+            f"got {max_model_len}"
+        )
+    return EngineConfig(
+        model=model,
+        dtype=resolve_dtype(dtype, config_dtype),
+        kv_cache_gib=kv_cache_gib,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        seed=seed,
+        compile=compile,
+    )
+
+
+class LLM:
+    """Offline generation over a local HF checkpoint directory.
+
+    >>> llm = LLM(model="ckpt_dir", dtype="float32", kv_cache_gib=2)
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0.0))
+    """
+
+    def __init__(self, model: str, **kwargs: object) -> None:
+        self.config = build_engine_config(model, **kwargs)  # type: ignore[arg-type]
+        self.llm_engine = LLMEngine.from_config(self.config)
+        self._counter = 0
+
+    def get_tokenizer(self):  # noqa: ANN201
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        `prompts`: a string, a token-id dict (`{"prompt_token_ids": [...]}`) or a list of them.
+        `sampling_params`: one for all prompts, or one per prompt.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
+                )
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(self._counter)
+                self._counter += 1
+                self.llm_engine.add_request(request_id, prompt, params)
+                ids.append(request_id)
+        except ValueError:
+            for request_id in ids:
+                self.llm_engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        start, num_out = time.perf_counter(), 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        num_out += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        rate = num_out / max(time.perf_counter() - start, 1e-9)
+                        bar.set_postfix_str(f"out {rate:.1f} tok/s")
+        except BaseException:
+            for request_id in ids:
+                engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]

@@ -1,0 +1,109 @@
+"""User-facing outputs and incremental detokenization with stop strings (vLLM semantics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Decodes new tokens without re-decoding the whole output each step.
+
+    Keeps a window [prefix_offset, read_offset) of already-emitted tokens so that multi-token
+    characters and leading spaces decode correctly; text ending in U+FFFD (an incomplete byte
+    sequence) is held back until the next token completes it.
+    """
+
+    tokenizer: PreTrainedTokenizerBase | None
+    prompt_token_ids: list[int]
+    skip_special_tokens: bool = True
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+
+    def __post_init__(self) -> None:
+        # Seed the window with a few prompt tokens so the first output token decodes in context.
+        tail = self.prompt_token_ids[-6:]
+        self.token_ids = list(tail)
+        self._prefix_offset = 0
+        self._read_offset = len(tail)
+        self._num_context = len(tail)
+
+    def _decode(self, ids: list[int]) -> str:
+        assert self.tokenizer is not None
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def append(self, token_id: int) -> int:
+        """Add one token; returns how many characters were appended to `text`."""
+        self.token_ids.append(token_id)
+        if self.tokenizer is None:
+            return 0
+        prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.token_ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return 0
+        new = full[len(prefix) :]
+        self.text += new
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
+        return len(new)
+
+    def flush(self) -> None:
+        """At the end, emit whatever was held back (an incomplete character stays as U+FFFD)."""
+        if self.tokenizer is None or self._read_offset == len(self.token_ids):
+            return
+        prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.token_ids[self._prefix_offset :])
+        if len(full) > len(prefix):
+            self.text += full[len(prefix) :]
+        self._read_offset = len(self.token_ids)
+
+
+def find_stop_string(text: str, num_new_chars: int, stops: list[str],
+                     include_stop: bool) -> tuple[str, str] | None:
+    """If a stop string appears in the last `num_new_chars` (plus overlap), return
+    (truncated text, the stop string). The text ends before the stop string unless
+    `include_stop`."""
+    if not num_new_chars:
+        return None
+    for stop in stops:
+        index = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
+        if index != -1:
+            end = index + len(stop) if include_stop else index
+            return text[:end], stop
+    return None

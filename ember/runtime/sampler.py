@@ -1,0 +1,121 @@
+"""Sampling from logits: penalties, temperature, min-p, top-k/top-p, per-request RNG, logprobs.
+
+Order as in vLLM V1: penalties on the raw logits, then greedy argmax or temperature, min-p,
+top-k/top-p and a draw. Logprobs are of the raw model distribution (before any processing).
+Each request draws from its own `torch.Generator`, so a seeded request samples the same tokens
+whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ember.runtime.batch import ScheduledRequest, TokenLogprobs
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: list[tuple[int, ...]],
+    output_ids: list[tuple[int, ...]],
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """logits [num_seqs, vocab]; penalties [num_seqs]. Returns new logits.
+
+    Repetition divides positive / multiplies negative logits of tokens seen in prompt or output;
+    frequency subtracts count * penalty and presence subtracts penalty for output tokens.
+    """
+    num_seqs, vocab = logits.shape
+    counts = torch.zeros(num_seqs, vocab, dtype=logits.dtype)
+    seen = torch.zeros(num_seqs, vocab, dtype=torch.bool)
+    for i in range(num_seqs):
+        if output_ids[i]:
+            out = torch.tensor(output_ids[i], dtype=torch.long)
+            counts[i].index_add_(0, out, torch.ones(len(out), dtype=logits.dtype))
+        if prompt_ids[i]:
+            seen[i, torch.tensor(prompt_ids[i], dtype=torch.long)] = True
+    seen |= counts > 0
+    rep = repetition[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - frequency[:, None] * counts
+    return logits - presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top probability."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k logits (top_k >= vocab keeps all) and the smallest set whose
+    probability reaches top_p; the top token always survives."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    kth = (vocab - top_k.clamp(1, vocab)).unsqueeze(1)
+    threshold = sorted_logits.gather(1, kth)
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= (1 - top_p).unsqueeze(1)
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Sample one index from `probs [vocab]` with the exponential-race trick."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+def _logprobs(raw: torch.Tensor, tokens: list[int], requests: list[ScheduledRequest]
+              ) -> dict[str, TokenLogprobs]:
+    wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    if not wanted:
+        return {}
+    logp = torch.log_softmax(raw[wanted], dim=-1)
+    result: dict[str, TokenLogprobs] = {}
+    for row, i in enumerate(wanted):
+        n = requests[i].params.logprobs or 0
+        top = logp[row].topk(n) if n else None
+        sampled = tokens[i]
+        sampled_lp = logp[row, sampled]
+        rank = int((logp[row] > sampled_lp).sum()) + 1
+        ids = [sampled] + (top.indices.tolist() if top is not None else [])
+        lps = [float(sampled_lp)] + (top.values.tolist() if top is not None else [])
+        ranks = [rank] + list(range(1, n + 1))
+        result[requests[i].request_id] = TokenLogprobs(tuple(ids), tuple(lps), tuple(ranks))
+    return result
+
+
+def sample(logits: torch.Tensor, requests: list[ScheduledRequest]
+           ) -> tuple[list[int], dict[str, TokenLogprobs]]:
+    """logits [num_seqs, vocab] (any float dtype) for `requests` in the same order."""
+    raw = logits.float()
+    params = [r.params for r in requests]
+    x = raw
+    if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
+        x = apply_penalties(
+            x, [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
+            torch.tensor([p.presence_penalty for p in params]),
+            torch.tensor([p.frequency_penalty for p in params]),
+            torch.tensor([p.repetition_penalty for p in params]),
+        )
+    tokens = x.argmax(dim=-1).tolist()
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        sub = x[random_rows] / torch.tensor([params[i].temperature for i in random_rows])[:, None]
+        min_p = torch.tensor([params[i].min_p for i in random_rows])
+        if bool((min_p > 0).any()):
+            sub = apply_min_p(sub, min_p)
+        vocab = sub.shape[-1]
+        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in random_rows])
+        top_p = torch.tensor([params[i].top_p for i in random_rows])
+        if bool((top_k < vocab).any() or (top_p < 1).any()):
+            sub = apply_top_k_top_p(sub, top_k, top_p)
+        probs = torch.softmax(sub, dim=-1)
+        for row, i in enumerate(random_rows):
+            tokens[i] = _draw(probs[row], requests[i].generator)
+    return tokens, _logprobs(raw, tokens, requests)

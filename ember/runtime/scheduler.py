@@ -1,0 +1,177 @@
+"""Continuous-batching scheduler in vLLM V1's token-accounting style.
+
+Each request's `num_computed_tokens` catches up to its `num_tokens` under one token budget
+(`max_num_batched_tokens`) and one sequence budget (`max_num_seqs`). Running requests go first
+(decodes before prefill chunks), then waiting ones in arrival order; prompts are chunked to fit
+the budget; prefix-cache hits skip computation; when blocks run out, the most recently admitted
+running request not yet scheduled this step is preempted and later recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ember.runtime.batch import RunnerOutput, ScheduledRequest, StepPlan
+from ember.runtime.block_manager import BlockManager
+from ember.runtime.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Owns request state transitions. The only writer of `Request` fields."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        max_blocks = -(-self.max_model_len // self.block_manager.block_size)
+        if max_blocks > self.block_manager.num_usable_blocks:
+            raise ValueError("the KV cache is smaller than one max_model_len sequence")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (abort, or a stop string found by the detokenizer); frees its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.block_manager.free(request_id)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- one step --------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        done: set[str] = set()
+        preempted: list[str] = []
+        # Decodes before prefill chunks; stable, so admission order holds within each group.
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for request in order:
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, num_new, done, preempted):
+                scheduled.append((request, num_new))
+                done.add(request.request_id)
+                budget -= num_new
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        return StepPlan(tuple(self._scheduled(r, n) for r, n in scheduled), tuple(preempted))
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, done: set[str], preempted: list[str]
+    ) -> bool:
+        total = request.num_computed_tokens + num_new
+        while True:
+            if self.block_manager.allocate(request.request_id, request.all_token_ids, total) is not None:
+                return True
+            victim = next(r for r in reversed(self.running) if r.request_id not in done)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request.request_id, keep_hashes=True)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            rid, tokens = request.request_id, request.all_token_ids
+            hits = self.block_manager.match_prefix(rid, tokens)
+            num_hit = len(hits) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_hit, budget)
+            if self.block_manager.allocate(rid, tokens, num_hit + num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+        return budget
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            num_computed_tokens=start,
+            token_ids=tuple(request.all_token_ids[start : start + num_new]),
+            block_ids=tuple(self.block_manager.block_ids(request.request_id)),
+            sample=start + num_new == request.num_tokens,
+            params=request.params,
+            generator=request.generator,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            output_token_ids=tuple(request.output_token_ids),
+        )
+
+    def update(self, plan: StepPlan, output: RunnerOutput) -> tuple[list[Request], list[Request]]:
+        """Advance computed counts, append sampled tokens, finish requests on EOS/stop ids/length.
+
+        Returns (requests that got a new token, requests that finished this step).
+        """
+        updated: list[Request] = []
+        finished: list[Request] = []
+        for item in plan.requests:
+            request = self.requests[item.request_id]
+            request.num_computed_tokens += item.num_new_tokens
+            token = output.sampled.get(item.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            updated.append(request)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+                finished.append(request)
+        return updated, finished
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.params
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token == request.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if len(request.output_token_ids) >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
