@@ -27,7 +27,7 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: ( ) [ ] { } < > , . ; : !
 
 _FAMILIES: dict[str, Any] = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
 
-# name -> (family, config overrides)
+# name -> (family, config overrides); vocab_size None means the tokenizer's size.
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-llama": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512)),
@@ -37,7 +37,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                                      num_attention_heads=4, num_key_value_heads=1, vocab_size=512,
                                      sliding_window=24)),
     "small-llama": ("llama", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                                  num_attention_heads=8, num_key_value_heads=4, vocab_size=2048)),
+                                  num_attention_heads=8, num_key_value_heads=4, vocab_size=None)),
     "llama-160m": ("llama", dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                                  num_attention_heads=12, num_key_value_heads=4, vocab_size=32000)),
     "qwen2-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -67,7 +67,8 @@ def build_checkpoint(path: str, shape: str = "tiny-llama", seed: int = 0,
     """Write a seeded random-init checkpoint of `shape` to `path` (config, safetensors,
     tokenizer) unless one with the same recipe is already there. Returns `path`."""
     family, shape_kwargs = SHAPES[shape]
-    recipe = dict(shape=shape, seed=seed, dtype=str(dtype), init=initializer_range, **overrides)
+    recipe = dict(format=2, shape=shape, config=shape_kwargs, seed=seed, dtype=str(dtype),
+                  init=initializer_range, **overrides)
     stamp = os.path.join(path, "ember_recipe.json")
     if os.path.isfile(stamp):
         with open(stamp) as f:
@@ -76,8 +77,11 @@ def build_checkpoint(path: str, shape: str = "tiny-llama", seed: int = 0,
     kwargs = dict(shape_kwargs, initializer_range=initializer_range, bos_token_id=0,
                   eos_token_id=1, pad_token_id=None, max_position_embeddings=2048)
     kwargs.update(overrides)
+    # vocab_size None: exactly the tokenizer's vocabulary, so every sampled id decodes.
+    tokenizer = build_tokenizer(min(kwargs["vocab_size"] or 4096, 4096))
+    if kwargs["vocab_size"] is None:
+        kwargs["vocab_size"] = len(tokenizer)
     config = _FAMILIES[family](**kwargs)
-    tokenizer = build_tokenizer(min(config.vocab_size, 4096))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     os.makedirs(path, exist_ok=True)

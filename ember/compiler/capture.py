@@ -32,17 +32,25 @@ def load_hf_config(model_dir: str) -> PretrainedConfig:
         raise UnsupportedModelError(f"model directory {model_dir!r} has no config.json")
     try:
         with open(path) as f:
-            json.load(f)
+            raw = json.load(f)
+    except (ValueError, OSError) as e:
+        raise UnsupportedModelError(f"config.json of {model_dir!r} is not valid JSON: {e}") from e
+    try:
         return AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (ValueError, KeyError, OSError) as e:
-        raise UnsupportedModelError(f"cannot read config of {model_dir!r}: {e}") from e
+        arch = (raw.get("architectures") or [raw.get("model_type")])[0]
+        raise UnsupportedModelError(
+            f"architecture {arch!r} of {model_dir!r} is not known to transformers: {e}"
+        ) from e
 
 
 def check_supported(config: PretrainedConfig) -> type[PreTrainedModel]:
     """Return the causal-LM class for `config`, or raise naming the architecture."""
     archs = getattr(config, "architectures", None) or [config.model_type]
     arch = archs[0]
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    causal_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    declared = getattr(config, "architectures", None)
+    if causal_name is None or (declared and causal_name not in declared):
         raise UnsupportedModelError(
             f"architecture {arch!r} (model_type {config.model_type!r}) is not a causal LM "
             "that ember can capture"

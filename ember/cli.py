@@ -1,0 +1,96 @@
+"""`ember` command line: thin argument parsing over the engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from ember.runtime.llm import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_CACHE_GIB,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="local HF checkpoint dir (default: a small random Llama "
+                   "built once under the user cache dir)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-gib", type=float, default=DEFAULT_KV_CACHE_GIB)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return dict(
+        dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, seed=args.seed,
+    )
+
+
+def _resolve_model(model: str | None) -> str:
+    if model:
+        return model
+    from ember.checkpoints import build_checkpoint, default_model_dir
+
+    path = default_model_dir()
+    print(f"no --model given: using the small random-init Llama at {path}", file=sys.stderr)
+    return build_checkpoint(path, "small-llama", seed=0)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ember import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=_resolve_model(args.model), **_engine_kwargs(args))
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed,
+                            ignore_eos=args.ignore_eos)
+    prompts = args.prompt or ["Once upon a time", "The quick brown fox"]
+    t1 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    gen_s = time.perf_counter() - t1
+    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    for o in outs:
+        c = o.outputs[0]
+        print(f"--- prompt: {o.prompt!r}\n{c.text!r}\n    tokens={c.token_ids} finish={c.finish_reason}")
+    print(f"generated {num_out} tokens for {len(outs)} prompts in {gen_s:.3f} s: "
+          f"{num_out / max(gen_s, 1e-9):.1f} tok/s (load {load_s:.2f} s, dtype {llm.config.dtype})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description="CPU-first LLM inference runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text from prompts")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sample-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ValueError as e:
+        print(f"ember: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

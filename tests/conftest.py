@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny seeded checkpoints (built once per session) and the HF reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from ember.checkpoints import build_checkpoint  # noqa: E402
+
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral"]
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
+    """`checkpoint_dir(shape, **overrides)` -> a directory with a seeded random checkpoint."""
+    root = tmp_path_factory.mktemp("ckpt")
+    made: dict[str, str] = {}
+
+    def make(shape: str = "tiny-llama", dtype: torch.dtype = torch.float32, **overrides) -> str:
+        key = f"{shape}-{str(dtype).split('.')[-1]}-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+        if key not in made:
+            made[key] = build_checkpoint(str(root / key), shape, dtype=dtype, **overrides)
+        return made[key]
+
+    return make
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
+              dtype: torch.dtype = torch.float32) -> list[list[int]]:
+    """HF transformers `generate(do_sample=False)`, one prompt at a time, EOS ignored."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, pad_token_id=0)
+            outs.append(ids[0, len(p):].tolist())
+    return outs
+
+
+def make_prompts(num: int, seed: int = 0, low: int = 3, high: int = 40, vocab: int = 500) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(low, high, (num,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def gib_for_blocks(model_dir: str, num_blocks: int, block_size: int,
+                   dtype: torch.dtype = torch.float32) -> float:
+    """kv_cache_gib that yields exactly `num_blocks` blocks (one is the reserved null block)."""
+    from ember.compiler.capture import kv_geometry, load_hf_config
+    from ember.runtime.config import KVCacheSpec
+
+    layers, kv_heads, head_dim = kv_geometry(load_hf_config(model_dir))
+    spec = KVCacheSpec(layers, kv_heads, head_dim, block_size, num_blocks, dtype)
+    return (num_blocks * spec.bytes_per_block + 1) / 2**30
+
+
+def with_eos(model_dir: str, eos: int, dest: str) -> str:
+    """Copy a checkpoint, declaring `eos` as its EOS token."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, dest)
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(dest, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                cfg = json.load(f)
+            cfg["eos_token_id"] = eos
+            with open(path, "w") as f:
+                json.dump(cfg, f)
+    return dest
