@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -25,13 +26,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile every shape bucket with torch.compile before serving")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return dict(
         dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, seed=args.seed,
+        max_model_len=args.max_model_len, seed=args.seed, compile=args.compile,
     )
 
 
@@ -49,7 +52,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ember import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=_resolve_model(args.model), **_engine_kwargs(args))
+    llm = LLM(model=_resolve_model(args.model), compile_cache_dir=args.compile_cache_dir,
+              **_engine_kwargs(args))
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed,
@@ -67,6 +71,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_compile_cache_dir() -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "ember", "compile")
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from ember import LLM
+
+    cache_dir = args.cache_dir or default_compile_cache_dir()
+    kwargs = _engine_kwargs(args)
+    kwargs.update(compile=True, compile_cache_dir=cache_dir)
+    t0 = time.perf_counter()
+    llm = LLM(model=_resolve_model(args.model), **kwargs)
+    seconds = time.perf_counter() - t0
+    engine = llm.llm_engine
+    state = "loaded from cache" if engine.compile_cache_hit else "compiled and saved"
+    print(f"{len(engine.runner.buckets)} buckets {list(engine.runner.buckets)} {state} in "
+          f"{seconds:.1f} s; cache dir {cache_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description="CPU-first LLM inference runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -79,7 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sample-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--compile-cache-dir", default=None,
+                     help="load compiled graphs saved by `ember warmup` from this dir")
     gen.set_defaults(func=cmd_generate)
+    warm = sub.add_parser("warmup", help="compile every shape bucket ahead of time and save "
+                          "the compile artefacts, so a later engine starts warm")
+    _add_engine_args(warm)
+    warm.add_argument("--cache-dir", default=None,
+                      help=f"compile cache dir (default {default_compile_cache_dir()})")
+    warm.set_defaults(func=cmd_warmup)
     return parser
 
 

@@ -108,3 +108,12 @@ def capture_forward(model: PreTrainedModel) -> Callable[..., Any]:
         return out.logits[0]
 
     return forward
+
+
+def compile_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """The one `torch.compile` call site: one graph per token bucket, no graph breaks allowed.
+
+    Compilation happens lazily on the first call of each shape; the runner warms every bucket
+    inside `ember.compiler.inductor.compile_settings()` before serving.
+    """
+    return torch.compile(forward, fullgraph=True)

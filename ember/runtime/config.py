@@ -84,6 +84,8 @@ class EngineConfig:
     max_model_len: int
     seed: int
     compile: bool
+    compile_cache_dir: str | None = None
+    freeze_weights: bool = False
     max_logprobs: int = 20
 
     def __post_init__(self) -> None:
@@ -95,6 +97,11 @@ class EngineConfig:
         _check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
         _check_range("max_model_len", self.max_model_len, 1, 1 << 24)
         _check_range("max_logprobs", self.max_logprobs, 0, 1 << 20)
+        if self.freeze_weights and self.compile_cache_dir is not None:
+            raise ValueError(
+                "freeze_weights=True cannot be combined with compile_cache_dir: inductor cannot "
+                "cache graphs with frozen (prepacked) weights"
+            )
         if self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype}")
 

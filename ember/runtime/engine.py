@@ -69,12 +69,14 @@ class LLMEngine:
             config.max_model_len,
         )
         self.runner = ModelRunner(model, config, num_blocks)
+        self.compile_cache_hit = False
         self._rng = random.Random(config.seed)
         self._parents: dict[str, _ParentState] = {}
         self._child_to_parent: dict[str, tuple[str, int]] = {}
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
+    def from_config(cls, config: EngineConfig, show_progress: bool = True) -> LLMEngine:
+        """Load the model, size the KV cache and compile every bucket before returning."""
         model = load_causal_lm(config.model, config.dtype)
         try:
             tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
@@ -92,7 +94,9 @@ class LLMEngine:
                 f" tokens, fewer than max_model_len={config.max_model_len}; raise kv_cache_gib or"
                 " lower max_model_len"
             )
-        return cls(config, model, tokenizer, num_blocks)
+        engine = cls(config, model, tokenizer, num_blocks)
+        engine.compile_cache_hit = engine.runner.warmup(show_progress)
+        return engine
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

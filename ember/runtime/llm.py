@@ -29,9 +29,15 @@ def build_engine_config(
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     max_model_len: int | None = None,
     seed: int = 0,
-    compile: bool = False,
+    compile: bool = True,
+    compile_cache_dir: str | None = None,
+    freeze_weights: bool | None = None,
 ) -> EngineConfig:
-    """Resolve "auto" values against the checkpoint, then build the frozen config."""
+    """Resolve "auto" values against the checkpoint, then build the frozen config.
+
+    freeze_weights None: freeze (faster batched GEMMs) unless a compile cache is used, since
+    frozen graphs cannot be cached.
+    """
     hf_config = load_hf_config(model)
     check_supported(hf_config)
     config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -55,6 +61,8 @@ def build_engine_config(
         max_model_len=max_model_len,
         seed=seed,
         compile=compile,
+        compile_cache_dir=compile_cache_dir,
+        freeze_weights=compile_cache_dir is None if freeze_weights is None else freeze_weights,
     )
 
 
@@ -65,9 +73,11 @@ class LLM:
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0.0))
     """
 
-    def __init__(self, model: str, **kwargs: object) -> None:
+    def __init__(self, model: str, use_tqdm: bool = True, **kwargs: object) -> None:
+        """`kwargs` are the engine knobs of `build_engine_config`; `compile=True` (default)
+        compiles every shape bucket here, before the first request."""
         self.config = build_engine_config(model, **kwargs)  # type: ignore[arg-type]
-        self.llm_engine = LLMEngine.from_config(self.config)
+        self.llm_engine = LLMEngine.from_config(self.config, show_progress=use_tqdm)
         self._counter = 0
 
     def get_tokenizer(self):  # noqa: ANN201

@@ -1,6 +1,8 @@
 """StepPlan -> ForwardBatch -> forward -> sampled ids. The only model runner.
 
-The runner owns the KV-cache tensors (one per layer) and the model's forward callable.
+The runner owns the KV-cache tensors (one per layer) and the model's forward callable (compiled
+or eager). Every step is padded to a token bucket, so compiled graphs are reused across any mix
+of prefills and decodes; padding tokens write into the reserved null block and are dropped.
 """
 
 from __future__ import annotations
@@ -8,19 +10,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from ember.attention.metadata import AttentionMetadata, build_attention_metadata
-from ember.compiler.capture import capture_forward, kv_geometry
+from ember.compiler import cache
+from ember.compiler.capture import capture_forward, compile_forward, kv_geometry
+from ember.compiler.inductor import compile_settings
 from ember.runtime.batch import RunnerOutput, StepPlan
+from ember.runtime.buckets import bucket_for, padded_num_seqs, token_buckets
 from ember.runtime.config import EngineConfig, KVCacheSpec
 from ember.runtime.sampler import sample
 
 
 @dataclass(frozen=True)
 class ForwardBatch:
-    """The tensors one forward consumes.
+    """The tensors one forward consumes, padded to a bucket.
 
-    input_ids [num_tokens], positions [num_tokens], logits_indices [num_sampled].
+    input_ids [num_tokens], positions [num_tokens], logits_indices [num_seqs] (the last token
+    of each sequence; padding sequences point at row 0 and are dropped).
     """
 
     input_ids: torch.Tensor
@@ -29,8 +36,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor
 
 
-def build_forward_batch(plan: StepPlan, block_size: int, max_blocks: int) -> ForwardBatch:
-    """Lay the plan's requests end to end in one token stream."""
+def build_forward_batch(plan: StepPlan, block_size: int, max_blocks: int,
+                        num_tokens_padded: int, num_seqs_padded: int) -> ForwardBatch:
+    """Lay the plan's requests end to end in one token stream, padded to the given sizes."""
     reqs = plan.requests
     num_new = [r.num_new_tokens for r in reqs]
     meta, positions = build_attention_metadata(
@@ -39,13 +47,23 @@ def build_forward_batch(plan: StepPlan, block_size: int, max_blocks: int) -> For
         block_tables=[r.block_ids for r in reqs],
         block_size=block_size,
         max_blocks=max_blocks,
-        num_tokens_padded=plan.num_tokens,
-        num_seqs_padded=plan.num_seqs,
+        num_tokens_padded=num_tokens_padded,
+        num_seqs_padded=num_seqs_padded,
     )
-    input_ids = torch.tensor([t for r in reqs for t in r.token_ids], dtype=torch.long)
-    ends = torch.tensor(num_new).cumsum(0) - 1
-    sampled = torch.tensor([r.sample for r in reqs], dtype=torch.bool)
-    return ForwardBatch(input_ids, positions, meta, ends[sampled])
+    input_ids = torch.zeros(num_tokens_padded, dtype=torch.long)
+    input_ids[: plan.num_tokens] = torch.tensor([t for r in reqs for t in r.token_ids], dtype=torch.long)
+    logits_indices = torch.zeros(num_seqs_padded, dtype=torch.long)
+    logits_indices[: len(reqs)] = torch.tensor(num_new).cumsum(0) - 1
+    return ForwardBatch(input_ids, positions, meta, logits_indices)
+
+
+def _mark_dynamic(batch: ForwardBatch) -> None:
+    """num_seqs (and the block-table width) are dynamic graph dims; num_tokens is static."""
+    meta = batch.attn_metadata
+    for t in (meta.query_start_loc, meta.seq_lens, batch.logits_indices):
+        torch._dynamo.mark_dynamic(t, 0)
+    torch._dynamo.mark_dynamic(meta.block_tables, 0)
+    torch._dynamo.mark_dynamic(meta.block_tables, 1)
 
 
 class ModelRunner:
@@ -64,17 +82,70 @@ class ModelRunner:
             for _ in range(num_layers)
         ]
         self.model = model
+        self.buckets = token_buckets(config.max_num_batched_tokens)
         self.forward = capture_forward(model)
+        if config.compile:
+            # The cache size is a dynamic dim, so graphs do not depend on kv_cache_gib.
+            for kv in self.kv_caches:
+                torch._dynamo.mark_dynamic(kv, 1)
+            self.forward = compile_forward(self.forward)
 
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> RunnerOutput:
-        batch = build_forward_batch(plan, self.config.block_size, self.config.max_blocks_per_seq)
-        logits = self.forward(
+    def prepare(self, plan: StepPlan) -> ForwardBatch:
+        return build_forward_batch(
+            plan, self.config.block_size, self.config.max_blocks_per_seq,
+            bucket_for(plan.num_tokens, self.buckets), padded_num_seqs(plan.num_seqs),
+        )
+
+    def _run(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.config.compile:
+            _mark_dynamic(batch)
+        return self.forward(
             batch.input_ids, batch.positions, batch.logits_indices, batch.attn_metadata,
             self.kv_caches,
         )
-        sampling = [r for r in plan.requests if r.sample]
-        if not sampling:
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        logits = self._run(self.prepare(plan))  # [num_seqs_padded, vocab]
+        rows = [i for i, r in enumerate(plan.requests) if r.sample]
+        if not rows:
             return RunnerOutput({}, {})
-        tokens, logprobs = sample(logits, sampling)
+        sampling = [plan.requests[i] for i in rows]
+        tokens, logprobs = sample(logits[rows], sampling)
         return RunnerOutput({r.request_id: t for r, t in zip(sampling, tokens)}, logprobs)
+
+    @torch.inference_mode()
+    def warmup(self, show_progress: bool = True) -> bool:
+        """Compile every token bucket now, so no request ever waits on a compile.
+
+        With `compile_cache_dir`, matching artefacts are loaded first (nothing is compiled
+        then), and fresh ones are saved after compiling. Dummy steps run entirely in the null
+        block (block 0), which real requests never read. Returns True on a cache hit.
+        """
+        if not self.config.compile:
+            return False
+        cache_dir = self.config.compile_cache_dir
+        parts = cache.key_parts(self.model.config, self.config.dtype, self.buckets,
+                                self.config.block_size, self.config.freeze_weights)
+        hit = cache_dir is not None and cache.lookup(cache_dir, parts)
+        inductor_dir = cache.inductor_dir(cache_dir, parts) if cache_dir is not None else None
+        with compile_settings(self.config.freeze_weights, inductor_dir):
+            for num_tokens in tqdm(self.buckets, desc="Compiling buckets", unit="graph",
+                                   disable=not show_progress, dynamic_ncols=True):
+                self._run(self._dummy_batch(num_tokens))
+        if cache_dir is not None and not hit:
+            cache.mark_complete(cache_dir, parts)
+        return hit
+
+    def _dummy_batch(self, num_tokens: int) -> ForwardBatch:
+        """Prefills totalling `num_tokens`, each within max_model_len, all in the null block."""
+        bs, max_blocks = self.config.block_size, self.config.max_blocks_per_seq
+        chunk = max_blocks * bs
+        num_new = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
+        num_seqs = padded_num_seqs(len(num_new))
+        meta, positions = build_attention_metadata(
+            [0] * len(num_new), num_new, [(0,) * -(-n // bs) for n in num_new], bs, max_blocks,
+            num_tokens, num_seqs,
+        )
+        logits_indices = torch.zeros(num_seqs, dtype=torch.long)
+        return ForwardBatch(torch.zeros(num_tokens, dtype=torch.long), positions, meta, logits_indices)

@@ -26,7 +26,7 @@ from ember.runtime.config import resolve_dtype
 ])
 def test_engine_config_rejects_bad_knobs(checkpoint_dir, kwargs, knob):
     with pytest.raises(ValueError, match=knob):
-        LLM(model=checkpoint_dir("tiny-llama"), **kwargs)
+        LLM(model=checkpoint_dir("tiny-llama"), compile=False, **kwargs)
 
 
 def test_dtype_resolution():
@@ -54,7 +54,7 @@ def test_cli_generate_prints_text_and_throughput(checkpoint_dir):
     d = checkpoint_dir("tiny-llama")
     out = subprocess.run(
         [sys.executable, "-m", "ember.cli", "generate", "--model", d, "--prompt", "Hello",
-         "--max-tokens", "8", "--kv-cache-gib", "0.01", "--max-model-len", "64"],
+         "--max-tokens", "8", "--no-compile", "--kv-cache-gib", "0.01", "--max-model-len", "64"],
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout
     assert "--- prompt: 'Hello'" in out and "tok/s" in out

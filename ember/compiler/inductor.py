@@ -1,0 +1,42 @@
+"""CPU inductor and dynamo settings, applied by a context manager around compilation only."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+@contextlib.contextmanager
+def compile_settings(freezing: bool, inductor_cache_dir: str | None = None) -> Iterator[None]:
+    """Settings in force while graphs are compiled (warm-up), never set at import.
+
+    - automatic dynamic shapes off: a new token bucket compiles a new static graph instead of
+      silently turning `num_tokens` dynamic; only the dims the runner marks are dynamic.
+    - freezing: weights become constants that inductor folds and prepacks (oneDNN blocked
+      layout) for the CPU GEMMs. Measured on llama-160m: 32 decodes 102 ms frozen vs 140 ms
+      not; batch-1 decode 30 vs 25 ms. Frozen graphs cannot be cached (packed weights do not
+      pickle), so `EngineConfig.freeze_weights` is off when a compile cache is used.
+    - `inductor_cache_dir`: where inductor keeps FX graphs and built C++ kernels while this
+      context is open (torch reads it from the environment on every lookup); restored after.
+    """
+    previous = os.environ.get(_CACHE_ENV)
+    if inductor_cache_dir is not None:
+        os.environ[_CACHE_ENV] = inductor_cache_dir
+    try:
+        with torch._dynamo.config.patch(
+            automatic_dynamic_shapes=False,
+            cache_size_limit=64,
+            accumulated_cache_size_limit=256,
+        ), torch._inductor.config.patch(freezing=freezing):
+            yield
+    finally:
+        if inductor_cache_dir is not None:
+            if previous is None:
+                os.environ.pop(_CACHE_ENV, None)
+            else:
+                os.environ[_CACHE_ENV] = previous

@@ -1,0 +1,120 @@
+"""The compiled path: zero graph breaks, one graph per bucket, no recompiles, compiled == HF.
+
+Compile is slow on 2 cores, so these use short bucket ladders (max_num_batched_tokens 4-8).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from ember import LLM, SamplingParams
+from ember.runtime.buckets import bucket_for, token_buckets
+from tests.conftest import FAMILIES, gib_for_blocks, hf_greedy, make_prompts
+from tests.e2e.test_generate_hf import run_staggered
+
+
+def test_buckets_ladder_and_padding():
+    assert token_buckets(1) == (1,)
+    assert token_buckets(16) == (1, 2, 4, 8, 16)
+    assert token_buckets(24) == (1, 2, 4, 8, 16, 24)
+    assert [bucket_for(n, token_buckets(24)) for n in (1, 3, 9, 17, 24)] == [1, 4, 16, 24, 24]
+    with pytest.raises(ValueError, match="num_tokens"):
+        bucket_for(25, token_buckets(24))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_one_graph_per_bucket_no_breaks_and_matches_hf(checkpoint_dir, family):
+    d = checkpoint_dir(family)
+    graphs_before = counters["stats"]["unique_graphs"]
+    breaks_before = sum(counters["graph_break"].values())
+    llm = LLM(model=d, dtype="float32", kv_cache_gib=0.01, block_size=4, max_num_batched_tokens=4,
+              max_model_len=96, use_tqdm=False)
+    assert llm.llm_engine.runner.buckets == (1, 2, 4)
+    assert counters["stats"]["unique_graphs"] - graphs_before == 3
+    assert sum(counters["graph_break"].values()) == breaks_before
+    prompts = make_prompts(6, seed=11, low=2, high=20)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got = run_staggered(llm, prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert got == hf_greedy(d, prompts, 10)
+
+
+def test_compiled_long_random_workload_never_recompiles_and_matches_eager(checkpoint_dir):
+    """200+ steps of random arrivals, lengths, shared prefixes and aborts after warm-up."""
+    d = checkpoint_dir("tiny-llama")
+    kw = dict(dtype="float32", kv_cache_gib=gib_for_blocks(d, 24, 4), block_size=4, max_num_batched_tokens=8,
+              max_model_len=64, use_tqdm=False)
+    compiled = LLM(model=d, **kw).llm_engine
+    rng = random.Random(0)
+    shared = make_prompts(1, seed=12, low=9, high=10)[0]
+    prompts = [(shared if rng.random() < 0.4 else []) + p for p in make_prompts(64, seed=13, low=1, high=24)]
+    lengths = [rng.randint(1, 16) for _ in prompts]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    done: dict[str, list[int]] = {}
+    aborted: set[str] = set()
+    steps = 0
+    with torch.compiler.set_stance("fail_on_recompile"):
+        pending = list(range(len(prompts)))
+        while pending or compiled.has_unfinished_requests():
+            if pending and rng.random() < 0.3:
+                if pending:
+                    i = pending.pop(0)
+                    compiled.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i])
+            if rng.random() < 0.05 and compiled.has_unfinished_requests():
+                victim = rng.choice(list(compiled._parents))
+                compiled.abort_request(victim)
+                aborted.add(victim)
+            for out in compiled.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            steps += 1
+    assert steps >= 200
+    assert compiled.scheduler.num_preemptions > 0
+    assert compiled.block_manager.num_free_blocks == compiled.block_manager.num_usable_blocks
+    eager = LLM(model=d, compile=False, **kw)
+    keep = sorted(int(i) for i in done)
+    want = eager.generate([{"prompt_token_ids": prompts[i]} for i in keep], [params[i] for i in keep],
+                          use_tqdm=False)
+    assert [done[str(i)] for i in keep] == [o.outputs[0].token_ids for o in want]
+    assert len(keep) + len(aborted) == len(prompts)
+
+
+_CHILD = textwrap.dedent("""
+    import json, sys
+    from torch._dynamo.utils import counters
+    from ember import LLM, SamplingParams
+    llm = LLM(model=sys.argv[1], dtype="float32", kv_cache_gib=0.01, block_size=4,
+              max_num_batched_tokens=4, max_model_len=64, compile_cache_dir=sys.argv[2],
+              use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7, 8, 9]},
+                       SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    print(json.dumps({"hit": llm.llm_engine.compile_cache_hit,
+                      "tokens": out[0].outputs[0].token_ids,
+                      "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
+                      "fx_hit": counters["inductor"]["fxgraph_cache_hit"]}))
+""")
+
+
+def test_compile_cache_round_trip_in_subprocess(checkpoint_dir, tmp_path):
+    d = checkpoint_dir("tiny-qwen2")
+    cache_dir = str(tmp_path / "cache")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "default_inductor"))
+
+    def run() -> dict:
+        proc = subprocess.run([sys.executable, "-c", _CHILD, d, cache_dir], capture_output=True,
+                              text=True, timeout=900, env=env, check=True)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    first = run()
+    second = run()
+    assert not first["hit"] and first["fx_miss"] == 3
+    assert second["hit"] and second["fx_miss"] == 0 and second["fx_hit"] == 3
+    assert second["tokens"] == first["tokens"]
