@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ember.runtime.buckets import DEFAULT_TOKEN_BUCKETS
 from ember.runtime.llm import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_KV_CACHE_GIB,
@@ -28,6 +29,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compile every shape bucket with torch.compile before serving")
+    p.add_argument("--token-buckets", type=lambda s: tuple(int(x) for x in s.split(",")),
+                   default=DEFAULT_TOKEN_BUCKETS,
+                   help="comma-separated token counts with their own static graph (default 1)")
+    p.add_argument("--freeze-weights", action="store_true",
+                   help="let inductor fold and prepack weights (not cacheable)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -35,6 +41,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, seed=args.seed, compile=args.compile,
+        token_buckets=args.token_buckets, freeze_weights=args.freeze_weights,
     )
 
 
@@ -87,7 +94,9 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
     engine = llm.llm_engine
     state = "loaded from cache" if engine.compile_cache_hit else "compiled and saved"
-    print(f"{len(engine.runner.buckets)} buckets {list(engine.runner.buckets)} {state} in "
+    sizes = engine.runner.graph_sizes
+    print(f"{len(sizes)} graphs (static token buckets {list(engine.runner.buckets)}"
+          f"{' + one dynamic' if len(sizes) > len(engine.runner.buckets) else ''}) {state} in "
           f"{seconds:.1f} s; cache dir {cache_dir}")
     return 0
 

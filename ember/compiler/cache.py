@@ -29,7 +29,7 @@ KEY_FILE = "key.json"
 
 
 def key_parts(hf_config: Any, dtype: torch.dtype, buckets: tuple[int, ...], block_size: int,
-              freezing: bool) -> dict[str, Any]:
+              freezing: bool, dynamic_graph: bool) -> dict[str, Any]:
     from ember import __version__
 
     model = json.loads(hf_config.to_json_string(use_diff=False))
@@ -40,6 +40,7 @@ def key_parts(hf_config: Any, dtype: torch.dtype, buckets: tuple[int, ...], bloc
         "architecture": (getattr(hf_config, "architectures", None) or ["?"])[0],
         "dtype": str(dtype).removeprefix("torch."),
         "buckets": list(buckets),
+        "dynamic_graph": dynamic_graph,
         "block_size": block_size,
         "freezing": freezing,
         "torch": torch.__version__,

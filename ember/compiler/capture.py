@@ -75,7 +75,7 @@ def load_causal_lm(model_dir: str, dtype: torch.dtype) -> PreTrainedModel:
             model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
             local_files_only=True, use_safetensors=None,
         )
-    except (OSError, ValueError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own error types)
         raise UnsupportedModelError(f"cannot load weights of {model_dir!r}: {e}") from e
     model.eval().requires_grad_(False)
     return model
@@ -111,9 +111,10 @@ def capture_forward(model: PreTrainedModel) -> Callable[..., Any]:
 
 
 def compile_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """The one `torch.compile` call site: one graph per token bucket, no graph breaks allowed.
+    """The one `torch.compile` call site; no graph breaks allowed.
 
-    Compilation happens lazily on the first call of each shape; the runner warms every bucket
-    inside `ember.compiler.inductor.compile_settings()` before serving.
+    Dynamo makes one graph per static token bucket and one with a dynamic token count (see
+    `ember.runtime.buckets`). Compilation happens on the first call of each; the runner warms
+    them all inside `ember.compiler.inductor.compile_settings()` before serving.
     """
     return torch.compile(forward, fullgraph=True)

@@ -15,12 +15,13 @@ _CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 def compile_settings(freezing: bool, inductor_cache_dir: str | None = None) -> Iterator[None]:
     """Settings in force while graphs are compiled (warm-up), never set at import.
 
-    - automatic dynamic shapes off: a new token bucket compiles a new static graph instead of
-      silently turning `num_tokens` dynamic; only the dims the runner marks are dynamic.
+    - automatic dynamic shapes off: only the dims the runner marks are dynamic, so a static
+      bucket never silently turns into a dynamic graph.
     - freezing: weights become constants that inductor folds and prepacks (oneDNN blocked
-      layout) for the CPU GEMMs. Measured on llama-160m: 32 decodes 102 ms frozen vs 140 ms
-      not; batch-1 decode 30 vs 25 ms. Frozen graphs cannot be cached (packed weights do not
-      pickle), so `EngineConfig.freeze_weights` is off when a compile cache is used.
+      layout) for the CPU GEMMs. Measured on llama-160m, static graphs: 32 decodes 102 ms
+      frozen vs 140 ms not, 128-token prefill 95 vs 135 ms; batch-1 decode 30 vs 25 ms; on the
+      dynamic graph it is slower (32 decodes 148 vs 125 ms). Frozen graphs cannot be cached
+      (packed weights do not pickle), so it is off by default (`EngineConfig.freeze_weights`).
     - `inductor_cache_dir`: where inductor keeps FX graphs and built C++ kernels while this
       context is open (torch reads it from the environment on every lookup); restored after.
     """

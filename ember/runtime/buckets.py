@@ -1,39 +1,47 @@
-"""Shape buckets: pure functions from step sizes to padded sizes.
+"""Shape buckets: pure functions from step sizes to padded sizes and graph keys.
 
-A compiled graph is specialised on `num_tokens` only; `num_seqs` is a dynamic dimension of the
-graph (only the opaque attention op and the logits gather see it), so one graph per token bucket
-serves every mix of prefills and decodes. Measured reason: bucketing both dimensions multiplies
-the graphs to compile (about 60 for the default budgets) for no speed gain, since nothing that
-inductor generates depends on `num_seqs` beyond the final row gather.
+Graphs are specialised on `num_tokens` only: `num_seqs` is always a dynamic dimension (only the
+opaque attention op and the logits gather see it). Token counts up to the largest static bucket
+are padded to the next bucket and run a static graph; larger steps run one graph whose
+`num_tokens` is dynamic, unpadded.
+
+Measured on llama-160m, fp32, 2 cores (forward ms; compile s per graph):
+  static per bucket (unfrozen): T=1 25.1, T=32 139.8, T=256 224.3; ~20 s each, 12 buckets for
+  a 2048-token budget = 262 s cold start.
+  one dynamic graph:            T=2 32.9, T=8 57.2, T=32 124.8, T=256 242.5; ~30 s once.
+So the default ladder is (1,) (batch-1 decode keeps its faster static graph) plus the dynamic
+graph: 2 compiles instead of 12, at most ~8% slower on large steps.
 """
 
 from __future__ import annotations
 
 import bisect
 
+DEFAULT_TOKEN_BUCKETS = (1,)
+
 # Dynamic dims specialise on sizes 0 and 1, so every step carries at least this many sequences
-# (extra ones are empty padding sequences).
-MIN_PADDED_SEQS = 2
+# (extra ones are empty padding sequences) and dynamic-token steps at least 2 tokens.
+MIN_DYNAMIC_SIZE = 2
 
 
-def token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
-    """Powers of two from 1, ending exactly at `max_num_batched_tokens`."""
-    ladder = []
-    n = 1
-    while n < max_num_batched_tokens:
-        ladder.append(n)
-        n *= 2
-    ladder.append(max_num_batched_tokens)
-    return tuple(ladder)
+def padded_num_tokens(num_tokens: int, buckets: tuple[int, ...]) -> int:
+    """The smallest static bucket holding `num_tokens`, or `num_tokens` itself past the ladder."""
+    i = bisect.bisect_left(buckets, num_tokens)
+    return buckets[i] if i < len(buckets) else num_tokens
 
 
-def bucket_for(num_tokens: int, ladder: tuple[int, ...]) -> int:
-    """Smallest bucket that holds `num_tokens`."""
-    i = bisect.bisect_left(ladder, num_tokens)
-    if i == len(ladder):
-        raise ValueError(f"num_tokens={num_tokens} exceeds the largest bucket {ladder[-1]}")
-    return ladder[i]
+def is_static(num_tokens_padded: int, buckets: tuple[int, ...]) -> bool:
+    return num_tokens_padded <= buckets[-1]
+
+
+def graph_sizes(buckets: tuple[int, ...], max_num_batched_tokens: int) -> tuple[int, ...]:
+    """One example size per compiled graph: each static bucket, then one dynamic-size step if
+    the budget goes past the ladder."""
+    sizes = tuple(b for b in buckets if b <= max_num_batched_tokens)
+    if max_num_batched_tokens > buckets[-1]:
+        sizes += (max(buckets[-1] + 1, MIN_DYNAMIC_SIZE),)
+    return sizes
 
 
 def padded_num_seqs(num_seqs: int) -> int:
-    return max(num_seqs, MIN_PADDED_SEQS)
+    return max(num_seqs, MIN_DYNAMIC_SIZE)

@@ -86,6 +86,7 @@ class EngineConfig:
     compile: bool
     compile_cache_dir: str | None = None
     freeze_weights: bool = False
+    token_buckets: tuple[int, ...] = (1,)
     max_logprobs: int = 20
 
     def __post_init__(self) -> None:
@@ -97,6 +98,12 @@ class EngineConfig:
         _check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
         _check_range("max_model_len", self.max_model_len, 1, 1 << 24)
         _check_range("max_logprobs", self.max_logprobs, 0, 1 << 20)
+        if (not self.token_buckets or list(self.token_buckets) != sorted(set(self.token_buckets))
+                or self.token_buckets[0] < 1 or self.token_buckets[-1] > self.max_num_batched_tokens):
+            raise ValueError(
+                "token_buckets must be increasing sizes in [1, max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}], got {self.token_buckets}"
+            )
         if self.freeze_weights and self.compile_cache_dir is not None:
             raise ValueError(
                 "freeze_weights=True cannot be combined with compile_cache_dir: inductor cannot "

@@ -234,6 +234,12 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 
+    def close(self) -> None:
+        """Abort all requests and drop the KV cache, the compiled graphs and the model."""
+        for request_id in list(self._parents):
+            self.abort_request(request_id)
+        self.runner.close()
+
 
 def _eos_id(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> int | None:
     gen = getattr(model, "generation_config", None)

@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ember.compiler.capture import check_supported, load_hf_config
+from ember.runtime.buckets import DEFAULT_TOKEN_BUCKETS
 from ember.runtime.config import EngineConfig, resolve_dtype
 from ember.runtime.engine import LLMEngine, PromptType
 from ember.runtime.outputs import RequestOutput
@@ -31,12 +32,14 @@ def build_engine_config(
     seed: int = 0,
     compile: bool = True,
     compile_cache_dir: str | None = None,
-    freeze_weights: bool | None = None,
+    freeze_weights: bool = False,
+    token_buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS,
 ) -> EngineConfig:
     """Resolve "auto" values against the checkpoint, then build the frozen config.
 
-    freeze_weights None: freeze (faster batched GEMMs) unless a compile cache is used, since
-    frozen graphs cannot be cached.
+    token_buckets: token counts that get their own static graph (steps up to the largest are
+    padded to a bucket); larger steps share one dynamic graph. freeze_weights: let inductor
+    fold and prepack weights (helps static batched graphs; not cacheable).
     """
     hf_config = load_hf_config(model)
     check_supported(hf_config)
@@ -62,7 +65,8 @@ def build_engine_config(
         seed=seed,
         compile=compile,
         compile_cache_dir=compile_cache_dir,
-        freeze_weights=compile_cache_dir is None if freeze_weights is None else freeze_weights,
+        freeze_weights=freeze_weights,
+        token_buckets=tuple(b for b in token_buckets if b <= max_num_batched_tokens) or (1,),
     )
 
 
@@ -88,11 +92,14 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        raise_on_error: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         `prompts`: a string, a token-id dict (`{"prompt_token_ids": [...]}`) or a list of them.
         `sampling_params`: one for all prompts, or one per prompt.
+        `raise_on_error`: if False, a request rejected for bad input comes back as a finished
+        `RequestOutput` with `error` set and no completions, and the others still run.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -108,21 +115,27 @@ class LLM:
                     f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
                 )
         ids: list[str] = []
+        rejected: dict[str, RequestOutput] = {}
         try:
             for prompt, params in zip(prompts, params_list):
                 request_id = str(self._counter)
                 self._counter += 1
-                self.llm_engine.add_request(request_id, prompt, params)
                 ids.append(request_id)
+                try:
+                    self.llm_engine.add_request(request_id, prompt, params)
+                except ValueError as e:
+                    if raise_on_error:
+                        raise
+                    rejected[request_id] = _error_output(request_id, prompt, e)
         except ValueError:
             for request_id in ids:
                 self.llm_engine.abort_request(request_id)
             raise
-        return self._run(ids, use_tqdm)
+        return self._run(ids, use_tqdm, rejected)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool,
+             finished: dict[str, RequestOutput]) -> list[RequestOutput]:
         engine = self.llm_engine
-        finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm,
                    dynamic_ncols=True)
         start, num_out = time.perf_counter(), 0
@@ -142,3 +155,22 @@ class LLM:
         finally:
             bar.close()
         return [finished[i] for i in ids]
+
+    def close(self) -> None:
+        """Abort everything and release the KV cache and the model; the LLM is unusable after."""
+        engine = getattr(self, "llm_engine", None)
+        if engine is not None:
+            engine.close()
+            del self.llm_engine
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _error_output(request_id: str, prompt: PromptType, error: Exception) -> RequestOutput:
+    text = prompt if isinstance(prompt, str) else (
+        prompt.get("prompt") if isinstance(prompt, dict) else None)
+    return RequestOutput(request_id, text, [], [], finished=True, error=f"{error}")

@@ -7,6 +7,7 @@ of prefills and decodes; padding tokens write into the reserved null block and a
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from ember.compiler import cache
 from ember.compiler.capture import capture_forward, compile_forward, kv_geometry
 from ember.compiler.inductor import compile_settings
 from ember.runtime.batch import RunnerOutput, StepPlan
-from ember.runtime.buckets import bucket_for, padded_num_seqs, token_buckets
+from ember.runtime.buckets import graph_sizes, is_static, padded_num_seqs, padded_num_tokens
 from ember.runtime.config import EngineConfig, KVCacheSpec
 from ember.runtime.sampler import sample
 
@@ -57,13 +58,17 @@ def build_forward_batch(plan: StepPlan, block_size: int, max_blocks: int,
     return ForwardBatch(input_ids, positions, meta, logits_indices)
 
 
-def _mark_dynamic(batch: ForwardBatch) -> None:
-    """num_seqs (and the block-table width) are dynamic graph dims; num_tokens is static."""
+def _mark_dynamic(batch: ForwardBatch, dynamic_tokens: bool) -> None:
+    """num_seqs and the block-table width are always dynamic graph dims; num_tokens is dynamic
+    only past the static bucket ladder."""
     meta = batch.attn_metadata
     for t in (meta.query_start_loc, meta.seq_lens, batch.logits_indices):
         torch._dynamo.mark_dynamic(t, 0)
     torch._dynamo.mark_dynamic(meta.block_tables, 0)
     torch._dynamo.mark_dynamic(meta.block_tables, 1)
+    if dynamic_tokens:
+        for t in (batch.input_ids, batch.positions, meta.slot_mapping):
+            torch._dynamo.mark_dynamic(t, 0)
 
 
 class ModelRunner:
@@ -82,7 +87,7 @@ class ModelRunner:
             for _ in range(num_layers)
         ]
         self.model = model
-        self.buckets = token_buckets(config.max_num_batched_tokens)
+        self.buckets = config.token_buckets
         self.forward = capture_forward(model)
         if config.compile:
             # The cache size is a dynamic dim, so graphs do not depend on kv_cache_gib.
@@ -90,15 +95,27 @@ class ModelRunner:
                 torch._dynamo.mark_dynamic(kv, 1)
             self.forward = compile_forward(self.forward)
 
+    @property
+    def graph_sizes(self) -> tuple[int, ...]:
+        """One example token count per compiled graph (static buckets, then the dynamic one)."""
+        return graph_sizes(self.buckets, self.config.max_num_batched_tokens)
+
+    def close(self) -> None:
+        """Release the KV cache, the forward (and its compiled graphs) and the model."""
+        self.kv_caches = []
+        self.forward = None  # type: ignore[assignment]
+        self.model = None  # type: ignore[assignment]
+        gc.collect()
+
     def prepare(self, plan: StepPlan) -> ForwardBatch:
         return build_forward_batch(
             plan, self.config.block_size, self.config.max_blocks_per_seq,
-            bucket_for(plan.num_tokens, self.buckets), padded_num_seqs(plan.num_seqs),
+            padded_num_tokens(plan.num_tokens, self.buckets), padded_num_seqs(plan.num_seqs),
         )
 
     def _run(self, batch: ForwardBatch) -> torch.Tensor:
         if self.config.compile:
-            _mark_dynamic(batch)
+            _mark_dynamic(batch, not is_static(batch.input_ids.shape[0], self.buckets))
         return self.forward(
             batch.input_ids, batch.positions, batch.logits_indices, batch.attn_metadata,
             self.kv_caches,
@@ -126,11 +143,12 @@ class ModelRunner:
             return False
         cache_dir = self.config.compile_cache_dir
         parts = cache.key_parts(self.model.config, self.config.dtype, self.buckets,
-                                self.config.block_size, self.config.freeze_weights)
+                                self.config.block_size, self.config.freeze_weights,
+                                len(self.graph_sizes) > len(self.buckets))
         hit = cache_dir is not None and cache.lookup(cache_dir, parts)
         inductor_dir = cache.inductor_dir(cache_dir, parts) if cache_dir is not None else None
         with compile_settings(self.config.freeze_weights, inductor_dir):
-            for num_tokens in tqdm(self.buckets, desc="Compiling buckets", unit="graph",
+            for num_tokens in tqdm(self.graph_sizes, desc="Compiling graphs", unit="graph",
                                    disable=not show_progress, dynamic_ncols=True):
                 self._run(self._dummy_batch(num_tokens))
         if cache_dir is not None and not hit:

@@ -17,28 +17,34 @@ import torch
 from torch._dynamo.utils import counters
 
 from ember import LLM, SamplingParams
-from ember.runtime.buckets import bucket_for, token_buckets
+from ember.runtime.buckets import graph_sizes, padded_num_tokens
 from tests.conftest import FAMILIES, gib_for_blocks, hf_greedy, make_prompts
 from tests.e2e.test_generate_hf import run_staggered
 
 
-def test_buckets_ladder_and_padding():
-    assert token_buckets(1) == (1,)
-    assert token_buckets(16) == (1, 2, 4, 8, 16)
-    assert token_buckets(24) == (1, 2, 4, 8, 16, 24)
-    assert [bucket_for(n, token_buckets(24)) for n in (1, 3, 9, 17, 24)] == [1, 4, 16, 24, 24]
-    with pytest.raises(ValueError, match="num_tokens"):
-        bucket_for(25, token_buckets(24))
+def test_buckets_padding_and_graph_sizes():
+    ladder = (1, 4, 16)
+    assert [padded_num_tokens(n, ladder) for n in (1, 2, 4, 5, 16, 17, 300)] == [1, 4, 4, 16, 16, 17, 300]
+    assert graph_sizes(ladder, 16) == (1, 4, 16)
+    assert graph_sizes(ladder, 2048) == (1, 4, 16, 17)
+    assert graph_sizes((1,), 2048) == (1, 2)
+    assert graph_sizes((1, 2, 4), 4) == (1, 2, 4)
+
+
+def test_token_buckets_are_validated(checkpoint_dir):
+    with pytest.raises(ValueError, match="token_buckets"):
+        LLM(model=checkpoint_dir("tiny-llama"), compile=False, token_buckets=(4, 2))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_compiled_one_graph_per_bucket_no_breaks_and_matches_hf(checkpoint_dir, family):
+def test_compiled_graph_count_no_breaks_and_matches_hf(checkpoint_dir, family):
+    """Static buckets (1, 2) plus one dynamic-token graph for 3..8 tokens: 3 graphs."""
     d = checkpoint_dir(family)
     graphs_before = counters["stats"]["unique_graphs"]
     breaks_before = sum(counters["graph_break"].values())
-    llm = LLM(model=d, dtype="float32", kv_cache_gib=0.01, block_size=4, max_num_batched_tokens=4,
-              max_model_len=96, use_tqdm=False)
-    assert llm.llm_engine.runner.buckets == (1, 2, 4)
+    llm = LLM(model=d, dtype="float32", kv_cache_gib=0.01, block_size=4, max_num_batched_tokens=8,
+              max_model_len=96, token_buckets=(1, 2), use_tqdm=False)
+    assert llm.llm_engine.runner.graph_sizes == (1, 2, 3)
     assert counters["stats"]["unique_graphs"] - graphs_before == 3
     assert sum(counters["graph_break"].values()) == breaks_before
     prompts = make_prompts(6, seed=11, low=2, high=20)
@@ -92,7 +98,7 @@ _CHILD = textwrap.dedent("""
     from torch._dynamo.utils import counters
     from ember import LLM, SamplingParams
     llm = LLM(model=sys.argv[1], dtype="float32", kv_cache_gib=0.01, block_size=4,
-              max_num_batched_tokens=4, max_model_len=64, compile_cache_dir=sys.argv[2],
+              max_num_batched_tokens=8, max_model_len=64, compile_cache_dir=sys.argv[2],
               use_tqdm=False)
     out = llm.generate({"prompt_token_ids": [5, 6, 7, 8, 9]},
                        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
@@ -115,6 +121,6 @@ def test_compile_cache_round_trip_in_subprocess(checkpoint_dir, tmp_path):
 
     first = run()
     second = run()
-    assert not first["hit"] and first["fx_miss"] == 3
-    assert second["hit"] and second["fx_miss"] == 0 and second["fx_hit"] == 3
+    assert not first["hit"] and first["fx_miss"] == 2  # static T=1 + the dynamic graph
+    assert second["hit"] and second["fx_miss"] == 0 and second["fx_hit"] == 2
     assert second["tokens"] == first["tokens"]

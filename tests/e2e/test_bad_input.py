@@ -1,0 +1,122 @@
+"""Bad input gets a clear ValueError naming the problem and harms no other request."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from ember import LLM, SamplingParams
+from tests.conftest import hf_greedy, make_prompts
+
+GOOD = make_prompts(2, seed=20)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint_dir):
+    with LLM(model=checkpoint_dir("tiny-llama"), compile=False, dtype="float32", kv_cache_gib=0.01,
+             max_model_len=64) as engine:
+        yield engine
+
+
+BAD_PROMPTS = {
+    "too_long": ({"prompt_token_ids": list(range(3, 70))}, "max_model_len"),
+    "empty": ({"prompt_token_ids": []}, "empty"),
+    "empty_text": ("", "empty"),
+    "token_out_of_vocab": ({"prompt_token_ids": [5, 512, 6]}, r"\[0, 512\)"),
+    "negative_token": ({"prompt_token_ids": [5, -1]}, r"\[0, 512\)"),
+    "not_a_prompt": (3.5, "prompt must be"),
+    "dict_without_prompt": ({"text": "hi"}, "prompt"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PROMPTS))
+def test_bad_prompt_raises_and_engine_keeps_serving(llm, checkpoint_dir, case):
+    prompt, message = BAD_PROMPTS[case]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([{"prompt_token_ids": GOOD[0]}, prompt], params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks
+    outs = llm.generate([{"prompt_token_ids": GOOD[0]}, prompt, {"prompt_token_ids": GOOD[1]}],
+                        params, use_tqdm=False, raise_on_error=False)
+    assert outs[1].error is not None and outs[1].finished and outs[1].outputs == []
+    want = hf_greedy(checkpoint_dir("tiny-llama"), GOOD, 6)
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == want
+
+
+def test_logprobs_over_limit_is_rejected(llm):
+    with pytest.raises(ValueError, match="max_logprobs"):
+        llm.generate({"prompt_token_ids": GOOD[0]}, SamplingParams(logprobs=21), use_tqdm=False)
+
+
+def test_mismatched_params_list_is_rejected(llm):
+    with pytest.raises(ValueError, match="sampling_params has 1 entries for 2 prompts"):
+        llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+
+
+def test_duplicate_request_id_is_rejected(llm):
+    engine = llm.llm_engine
+    engine.add_request("dup", {"prompt_token_ids": GOOD[0]}, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", {"prompt_token_ids": GOOD[1]}, SamplingParams(max_tokens=2))
+    engine.abort_request("dup")
+    assert not engine.has_unfinished_requests()
+
+
+def _copy(src: str, dst: str) -> str:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_corrupt_or_truncated_safetensors_fail_at_load(checkpoint_dir, tmp_path):
+    d = _copy(checkpoint_dir("tiny-llama"), str(tmp_path / "trunc"))
+    weights = os.path.join(d, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    with pytest.raises(ValueError, match="cannot load weights"):
+        LLM(model=d, compile=False)
+    d2 = _copy(checkpoint_dir("tiny-llama"), str(tmp_path / "garbage"))
+    with open(os.path.join(d2, "model.safetensors"), "wb") as f:
+        f.write(b"\x00not a safetensors file")
+    with pytest.raises(ValueError, match="cannot load weights"):
+        LLM(model=d2, compile=False)
+
+
+def test_bad_config_json_and_unknown_model_type_fail_at_load(checkpoint_dir, tmp_path):
+    d = _copy(checkpoint_dir("tiny-llama"), str(tmp_path / "badjson"))
+    with open(os.path.join(d, "config.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        LLM(model=d, compile=False)
+    d2 = _copy(checkpoint_dir("tiny-llama"), str(tmp_path / "unknown"))
+    with open(os.path.join(d2, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(model_type="wobble", architectures=["WobbleForCausalLM"])
+    with open(os.path.join(d2, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="WobbleForCausalLM"):
+        LLM(model=d2, compile=False)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def test_engine_close_releases_memory_across_five_cycles(checkpoint_dir):
+    d = checkpoint_dir("tiny-llama")
+    rss = []
+    for _ in range(5):
+        with LLM(model=d, compile=False, kv_cache_gib=0.25, max_model_len=64) as llm:
+            llm.generate({"prompt_token_ids": GOOD[0]}, SamplingParams(max_tokens=4), use_tqdm=False)
+            peak = _rss_mib()
+        rss.append(_rss_mib())
+        assert peak - rss[-1] > 200, "closing must release the 256 MiB KV cache"
+    assert rss[-1] - rss[0] < 64, f"RSS grew across create/close cycles: {rss}"
