@@ -109,7 +109,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def test_compile_cache_round_trip_in_subprocess(checkpoint_dir, tmp_path):
+def test_compile_cache_round_trip_ember_warmup_then_engine(checkpoint_dir, tmp_path):
     d = checkpoint_dir("tiny-qwen2")
     cache_dir = str(tmp_path / "cache")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "default_inductor"))
@@ -119,8 +119,20 @@ def test_compile_cache_round_trip_in_subprocess(checkpoint_dir, tmp_path):
                               text=True, timeout=900, env=env, check=True)
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    first = run()
-    second = run()
-    assert not first["hit"] and first["fx_miss"] == 2  # static T=1 + the dynamic graph
-    assert second["hit"] and second["fx_miss"] == 0 and second["fx_hit"] == 2
-    assert second["tokens"] == first["tokens"]
+    warm = subprocess.run(
+        [sys.executable, "-m", "ember.cli", "warmup", "--model", d, "--dtype", "float32",
+         "--kv-cache-gib", "0.01", "--block-size", "4", "--max-num-batched-tokens", "8",
+         "--max-model-len", "64", "--cache-dir", cache_dir],
+        capture_output=True, text=True, timeout=900, env=env, check=True)
+    assert "2 graphs (static token buckets [1] + one dynamic) compiled and saved" in warm.stdout
+    served = run()
+    assert served["hit"] and served["fx_miss"] == 0 and served["fx_hit"] == 2
+    again = run()
+    assert again["tokens"] == served["tokens"]
+    # A different engine shape misses, says why in one line, and compiles normally.
+    other = subprocess.run(
+        [sys.executable, "-m", "ember.cli", "warmup", "--model", d, "--dtype", "float32",
+         "--kv-cache-gib", "0.01", "--block-size", "8", "--max-num-batched-tokens", "8",
+         "--max-model-len", "64", "--cache-dir", cache_dir],
+        capture_output=True, text=True, timeout=900, env=env, check=True)
+    assert "differs in block_size" in other.stderr and "compiled and saved" in other.stdout
