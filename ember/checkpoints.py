@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single
@@ -29,20 +35,74 @@ _FAMILIES: dict[str, Any] = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistra
 
 # name -> (family, config overrides); vocab_size None means the tokenizer's size.
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "tiny-llama": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512)),
-    "tiny-qwen2": ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512)),
-    "tiny-mistral": ("mistral", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=1, vocab_size=512,
-                                     sliding_window=24)),
-    "small-llama": ("llama", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                                  num_attention_heads=8, num_key_value_heads=4, vocab_size=None)),
-    "llama-160m": ("llama", dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                                 num_attention_heads=12, num_key_value_heads=4, vocab_size=32000)),
-    "qwen2-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                                 tie_word_embeddings=True)),
+    "tiny-llama": (
+        "llama",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+        ),
+    ),
+    "tiny-qwen2": (
+        "qwen2",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+        ),
+    ),
+    "tiny-mistral": (
+        "mistral",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            vocab_size=512,
+            sliding_window=24,
+        ),
+    ),
+    "small-llama": (
+        "llama",
+        dict(
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            vocab_size=None,
+        ),
+    ),
+    "llama-160m": (
+        "llama",
+        dict(
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            vocab_size=32000,
+        ),
+    ),
+    "qwen2-0.5b": (
+        "qwen2",
+        dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 
 
@@ -52,8 +112,10 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<unk>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator([_CORPUS], trainer)
     return PreTrainedTokenizerFast(
@@ -61,21 +123,39 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     )
 
 
-def build_checkpoint(path: str, shape: str = "tiny-llama", seed: int = 0,
-                     dtype: torch.dtype = torch.float32, initializer_range: float = 0.1,
-                     **overrides: Any) -> str:
+def build_checkpoint(
+    path: str,
+    shape: str = "tiny-llama",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    initializer_range: float = 0.1,
+    **overrides: Any,
+) -> str:
     """Write a seeded random-init checkpoint of `shape` to `path` (config, safetensors,
     tokenizer) unless one with the same recipe is already there. Returns `path`."""
     family, shape_kwargs = SHAPES[shape]
-    recipe = dict(format=2, shape=shape, config=shape_kwargs, seed=seed, dtype=str(dtype),
-                  init=initializer_range, **overrides)
+    recipe = dict(
+        format=2,
+        shape=shape,
+        config=shape_kwargs,
+        seed=seed,
+        dtype=str(dtype),
+        init=initializer_range,
+        **overrides,
+    )
     stamp = os.path.join(path, "ember_recipe.json")
     if os.path.isfile(stamp):
         with open(stamp) as f:
             if json.load(f) == json.loads(json.dumps(recipe)):
                 return path
-    kwargs = dict(shape_kwargs, initializer_range=initializer_range, bos_token_id=0,
-                  eos_token_id=1, pad_token_id=None, max_position_embeddings=2048)
+    kwargs = dict(
+        shape_kwargs,
+        initializer_range=initializer_range,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+        max_position_embeddings=2048,
+    )
     kwargs.update(overrides)
     # vocab_size None: exactly the tokenizer's vocabulary, so every sampled id decodes.
     tokenizer = build_tokenizer(min(kwargs["vocab_size"] or 4096, 4096))

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from ember.runtime.buckets import DEFAULT_TOKEN_BUCKETS
 from ember.runtime.llm import (
@@ -18,8 +19,11 @@ from ember.runtime.llm import (
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="local HF checkpoint dir (default: a small random Llama "
-                   "built once under the user cache dir)")
+    p.add_argument(
+        "--model",
+        help="local HF checkpoint dir (default: a small random Llama "
+        "built once under the user cache dir)",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-gib", type=float, default=DEFAULT_KV_CACHE_GIB)
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
@@ -27,21 +31,37 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile every shape bucket with torch.compile before serving")
-    p.add_argument("--token-buckets", type=lambda s: tuple(int(x) for x in s.split(",")),
-                   default=DEFAULT_TOKEN_BUCKETS,
-                   help="comma-separated token counts with their own static graph (default 1)")
-    p.add_argument("--freeze-weights", action="store_true",
-                   help="let inductor fold and prepack weights (not cacheable)")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile every shape bucket with torch.compile before serving",
+    )
+    p.add_argument(
+        "--token-buckets",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        default=DEFAULT_TOKEN_BUCKETS,
+        help="comma-separated token counts with their own static graph (default 1)",
+    )
+    p.add_argument(
+        "--freeze-weights",
+        action="store_true",
+        help="let inductor fold and prepack weights (not cacheable)",
+    )
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
-        dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, seed=args.seed, compile=args.compile,
-        token_buckets=args.token_buckets, freeze_weights=args.freeze_weights,
+        dtype=args.dtype,
+        kv_cache_gib=args.kv_cache_gib,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        compile=args.compile,
+        token_buckets=args.token_buckets,
+        freeze_weights=args.freeze_weights,
     )
 
 
@@ -59,12 +79,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ember import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=_resolve_model(args.model), compile_cache_dir=args.compile_cache_dir,
-              **_engine_kwargs(args))
+    llm = LLM(
+        model=_resolve_model(args.model),
+        compile_cache_dir=args.compile_cache_dir,
+        **_engine_kwargs(args),
+    )
     load_s = time.perf_counter() - t0
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed,
-                            ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sample_seed,
+        ignore_eos=args.ignore_eos,
+    )
     prompts = args.prompt or ["Once upon a time", "The quick brown fox"]
     t1 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -72,9 +100,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     for o in outs:
         c = o.outputs[0]
-        print(f"--- prompt: {o.prompt!r}\n{c.text!r}\n    tokens={c.token_ids} finish={c.finish_reason}")
-    print(f"generated {num_out} tokens for {len(outs)} prompts in {gen_s:.3f} s: "
-          f"{num_out / max(gen_s, 1e-9):.1f} tok/s (load {load_s:.2f} s, dtype {llm.config.dtype})")
+        print(
+            f"--- prompt: {o.prompt!r}\n{c.text!r}\n"
+            f"    tokens={c.token_ids} finish={c.finish_reason}"
+        )
+    print(
+        f"generated {num_out} tokens for {len(outs)} prompts in {gen_s:.3f} s: "
+        f"{num_out / max(gen_s, 1e-9):.1f} tok/s (load {load_s:.2f} s, dtype {llm.config.dtype})"
+    )
     return 0
 
 
@@ -95,9 +128,11 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     engine = llm.llm_engine
     state = "loaded from cache" if engine.compile_cache_hit else "compiled and saved"
     sizes = engine.runner.graph_sizes
-    print(f"{len(sizes)} graphs (static token buckets {list(engine.runner.buckets)}"
-          f"{' + one dynamic' if len(sizes) > len(engine.runner.buckets) else ''}) {state} in "
-          f"{seconds:.1f} s; cache dir {cache_dir}")
+    print(
+        f"{len(sizes)} graphs (static token buckets {list(engine.runner.buckets)}"
+        f"{' + one dynamic' if len(sizes) > len(engine.runner.buckets) else ''}) {state} in "
+        f"{seconds:.1f} s; cache dir {cache_dir}"
+    )
     return 0
 
 
@@ -113,14 +148,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sample-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--compile-cache-dir", default=None,
-                     help="load compiled graphs saved by `ember warmup` from this dir")
+    gen.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        help="load compiled graphs saved by `ember warmup` from this dir",
+    )
     gen.set_defaults(func=cmd_generate)
-    warm = sub.add_parser("warmup", help="compile every shape bucket ahead of time and save "
-                          "the compile artefacts, so a later engine starts warm")
+    warm = sub.add_parser(
+        "warmup",
+        help="compile every shape bucket ahead of time and save "
+        "the compile artefacts, so a later engine starts warm",
+    )
     _add_engine_args(warm)
-    warm.add_argument("--cache-dir", default=None,
-                      help=f"compile cache dir (default {default_compile_cache_dir()})")
+    warm.add_argument(
+        "--cache-dir",
+        default=None,
+        help=f"compile cache dir (default {default_compile_cache_dir()})",
+    )
     warm.set_defaults(func=cmd_warmup)
     return parser
 

@@ -22,7 +22,9 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
     made: dict[str, str] = {}
 
     def make(shape: str = "tiny-llama", dtype: torch.dtype = torch.float32, **overrides) -> str:
-        key = f"{shape}-{str(dtype).split('.')[-1]}-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+        key = f"{shape}-{str(dtype).split('.')[-1]}-" + "-".join(
+            f"{k}{v}" for k, v in sorted(overrides.items())
+        )
         if key not in made:
             made[key] = build_checkpoint(str(root / key), shape, dtype=dtype, **overrides)
         return made[key]
@@ -30,8 +32,12 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
-              dtype: torch.dtype = torch.float32) -> list[list[int]]:
+def hf_greedy(
+    model_dir: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    dtype: torch.dtype = torch.float32,
+) -> list[list[int]]:
     """HF transformers `generate(do_sample=False)`, one prompt at a time, EOS ignored."""
     from transformers import AutoModelForCausalLM
 
@@ -40,20 +46,28 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
     outs = []
     with torch.inference_mode():
         for p in prompts:
-            ids = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, pad_token_id=0)
-            outs.append(ids[0, len(p):].tolist())
+            ids = model.generate(
+                torch.tensor([p]),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                pad_token_id=0,
+            )
+            outs.append(ids[0, len(p) :].tolist())
     return outs
 
 
-def make_prompts(num: int, seed: int = 0, low: int = 3, high: int = 40, vocab: int = 500) -> list[list[int]]:
+def make_prompts(
+    num: int, seed: int = 0, low: int = 3, high: int = 40, vocab: int = 500
+) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(low, high, (num,), generator=g).tolist()
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
 
 
-def gib_for_blocks(model_dir: str, num_blocks: int, block_size: int,
-                   dtype: torch.dtype = torch.float32) -> float:
+def gib_for_blocks(
+    model_dir: str, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32
+) -> float:
     """kv_cache_gib that yields exactly `num_blocks` blocks (one is the reserved null block)."""
     from ember.compiler.capture import kv_geometry, load_hf_config
     from ember.runtime.config import KVCacheSpec

@@ -36,12 +36,34 @@ def paged_attention(
     Returns [num_tokens, num_heads, head_dim]; rows of padding tokens are zero.
     """
     return torch_cpu.paged_attention(
-        query, key, value, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables,
-        scale, sliding_window, softcap, causal,
+        query,
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale,
+        sliding_window,
+        softcap,
+        causal,
     )
 
 
 @paged_attention.register_fake
-def _(query, key, value, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables,
-      scale, sliding_window, softcap, causal):
+def _(
+    query,
+    key,
+    value,
+    kv_cache,
+    slot_mapping,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    scale,
+    sliding_window,
+    softcap,
+    causal,
+):
     return torch.empty_like(query)

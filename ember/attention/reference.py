@@ -33,7 +33,9 @@ def ref_attention(
             kv = h // group
             scores = []
             for j in range(seq_len):
-                visible = (not causal or j <= pos) and (sliding_window <= 0 or j > pos - sliding_window)
+                visible = (not causal or j <= pos) and (
+                    sliding_window <= 0 or j > pos - sliding_window
+                )
                 if not visible:
                     continue
                 s = float(q32[i, h] @ k32[j, kv]) * scale

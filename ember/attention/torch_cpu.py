@@ -13,15 +13,22 @@ import torch
 import torch.nn.functional as F
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Scatter `key`/`value [num_tokens, num_kv_heads, head_dim]` into their slots."""
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(
+        0, slot_mapping, key.to(kv_cache.dtype)
+    )
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(
+        0, slot_mapping, value.to(kv_cache.dtype)
+    )
 
 
-def _gather(kv_cache: torch.Tensor, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(
+    kv_cache: torch.Tensor, tables: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V of `tables [n, num_blocks_used]` as float32 `[n, num_kv_heads, length, head_dim]`."""
     n = tables.shape[0]
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -30,8 +37,14 @@ def _gather(kv_cache: torch.Tensor, tables: torch.Tensor, length: int) -> tuple[
     return k.transpose(1, 2).float(), v.transpose(1, 2).float()
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-            scale: float, softcap: float) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
     """q [n, H, Lq, D], k/v [n, Hkv, L, D], mask [n, 1, Lq, L] (True = visible)."""
     if softcap <= 0:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -44,8 +57,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-def _visible(q_pos: torch.Tensor, length: int, seq_lens: torch.Tensor, causal: bool,
-             sliding_window: int) -> torch.Tensor:
+def _visible(
+    q_pos: torch.Tensor, length: int, seq_lens: torch.Tensor, causal: bool, sliding_window: int
+) -> torch.Tensor:
     """mask [n, 1, Lq, L] from query positions `q_pos [n, Lq]` and context lengths `[n]`."""
     k_pos = torch.arange(length)
     mask = k_pos[None, None, :] < seq_lens[:, None, None]
@@ -57,9 +71,18 @@ def _visible(q_pos: torch.Tensor, length: int, seq_lens: torch.Tensor, causal: b
 
 
 def paged_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-    block_tables: torch.Tensor, scale: float, sliding_window: int, softcap: float, causal: bool,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+    causal: bool,
 ) -> torch.Tensor:
     """Write the step's K/V into `kv_cache`, then attend. Shapes: see `ember.attention.ops`."""
     write_kv(kv_cache, key, value, slot_mapping)

@@ -28,15 +28,23 @@ logger = logging.getLogger("ember")
 KEY_FILE = "key.json"
 
 
-def key_parts(hf_config: Any, dtype: torch.dtype, buckets: tuple[int, ...], block_size: int,
-              freezing: bool, dynamic_graph: bool) -> dict[str, Any]:
+def key_parts(
+    hf_config: Any,
+    dtype: torch.dtype,
+    buckets: tuple[int, ...],
+    block_size: int,
+    freezing: bool,
+    dynamic_graph: bool,
+) -> dict[str, Any]:
     from ember import __version__
 
     model = json.loads(hf_config.to_json_string(use_diff=False))
     for volatile in ("_name_or_path", "transformers_version", "_attn_implementation_autoset"):
         model.pop(volatile, None)
     return {
-        "model_config_sha256": hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest(),
+        "model_config_sha256": hashlib.sha256(
+            json.dumps(model, sort_keys=True).encode()
+        ).hexdigest(),
         "architecture": (getattr(hf_config, "architectures", None) or ["?"])[0],
         "dtype": str(dtype).removeprefix("torch."),
         "buckets": list(buckets),
@@ -62,8 +70,11 @@ def lookup(cache_dir: str, parts: dict[str, Any]) -> bool:
     """True when a complete entry for `parts` exists; else log one line saying why not."""
     if os.path.isfile(os.path.join(entry_dir(cache_dir, parts), KEY_FILE)):
         return True
-    logger.warning("compile cache %s has no entry for this engine (%s); compiling",
-                   cache_dir, _describe_mismatch(cache_dir, parts))
+    logger.warning(
+        "compile cache %s has no entry for this engine (%s); compiling",
+        cache_dir,
+        _describe_mismatch(cache_dir, parts),
+    )
     return False
 
 

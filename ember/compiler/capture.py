@@ -55,7 +55,7 @@ def check_supported(config: PretrainedConfig) -> type[PreTrainedModel]:
             f"architecture {arch!r} (model_type {config.model_type!r}) is not a causal LM "
             "that ember can capture"
         )
-    model_cls = AutoModelForCausalLM._model_mapping[type(config)]
+    model_cls: type[PreTrainedModel] = AutoModelForCausalLM._model_mapping[type(config)]  # type: ignore[assignment]
     if not getattr(model_cls, "_supports_attention_backend", False):
         raise UnsupportedModelError(
             f"architecture {arch!r} does not route attention through transformers' attention "
@@ -72,8 +72,11 @@ def load_causal_lm(model_dir: str, dtype: torch.dtype) -> PreTrainedModel:
     check_supported(config)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
-            local_files_only=True, use_safetensors=None,
+            model_dir,
+            dtype=dtype,
+            attn_implementation=ATTN_IMPLEMENTATION,
+            local_files_only=True,
+            use_safetensors=None,
         )
     except Exception as e:  # noqa: BLE001  (safetensors raises its own error types)
         raise UnsupportedModelError(f"cannot load weights of {model_dir!r}: {e}") from e
@@ -95,8 +98,13 @@ def capture_forward(model: PreTrainedModel) -> Callable[..., Any]:
     Returns logits [num_logits, vocab] for the rows at `logits_indices`.
     """
 
-    def forward(input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
-                attn_metadata: Any, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        attn_metadata: Any,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
         out = model(
             input_ids=input_ids[None],
             position_ids=positions[None],

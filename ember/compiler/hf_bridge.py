@@ -30,7 +30,8 @@ def ember_attention_forward(
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """query [1, num_heads, num_tokens, head_dim], key/value [1, num_kv_heads, num_tokens, head_dim].
+    """query [1, num_heads, num_tokens, head_dim]; key/value [1, num_kv_heads, num_tokens,
+    head_dim].
 
     Returns attn_output [1, num_tokens, num_heads, head_dim], as HF's attention functions do.
     """

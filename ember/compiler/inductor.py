@@ -29,11 +29,14 @@ def compile_settings(freezing: bool, inductor_cache_dir: str | None = None) -> I
     if inductor_cache_dir is not None:
         os.environ[_CACHE_ENV] = inductor_cache_dir
     try:
-        with torch._dynamo.config.patch(
-            automatic_dynamic_shapes=False,
-            cache_size_limit=64,
-            accumulated_cache_size_limit=256,
-        ), torch._inductor.config.patch(freezing=freezing):
+        with (
+            torch._dynamo.config.patch(
+                automatic_dynamic_shapes=False,
+                cache_size_limit=64,
+                accumulated_cache_size_limit=256,
+            ),
+            torch._inductor.config.patch(freezing=freezing),
+        ):
             yield
     finally:
         if inductor_cache_dir is not None:

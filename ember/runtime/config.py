@@ -93,13 +93,19 @@ class EngineConfig:
         _check_range("kv_cache_gib", self.kv_cache_gib, 1e-6, 1024)
         _check_range("block_size", self.block_size, 1, 1024)
         if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two in [1, 1024], got {self.block_size}")
+            raise ValueError(
+                f"block_size must be a power of two in [1, 1024], got {self.block_size}"
+            )
         _check_range("max_num_seqs", self.max_num_seqs, 1, 4096)
         _check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
         _check_range("max_model_len", self.max_model_len, 1, 1 << 24)
         _check_range("max_logprobs", self.max_logprobs, 0, 1 << 20)
-        if (not self.token_buckets or list(self.token_buckets) != sorted(set(self.token_buckets))
-                or self.token_buckets[0] < 1 or self.token_buckets[-1] > self.max_num_batched_tokens):
+        if (
+            not self.token_buckets
+            or list(self.token_buckets) != sorted(set(self.token_buckets))
+            or self.token_buckets[0] < 1
+            or self.token_buckets[-1] > self.max_num_batched_tokens
+        ):
             raise ValueError(
                 "token_buckets must be increasing sizes in [1, max_num_batched_tokens="
                 f"{self.max_num_batched_tokens}], got {self.token_buckets}"
@@ -135,7 +141,11 @@ class KVCacheSpec:
 
     @staticmethod
     def num_blocks_for(
-        kv_cache_gib: float, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+        kv_cache_gib: float,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
         dtype: torch.dtype,
     ) -> int:
         elem = torch.empty((), dtype=dtype).element_size()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ember.compiler.capture import kv_geometry, load_causal_lm
 from ember.runtime.batch import TokenLogprobs
@@ -56,16 +56,23 @@ def _child_id(request_id: str, index: int, n: int) -> str:
 class LLMEngine:
     """Continuous-batching engine over one model. Not thread-safe."""
 
-    def __init__(self, config: EngineConfig, model: torch.nn.Module,
-                 tokenizer: PreTrainedTokenizerBase | None, num_blocks: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None,
+        num_blocks: int,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.model_config = model.config
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator]
         self.eos_token_id = _eos_id(model, tokenizer)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
             config.max_model_len,
         )
         self.runner = ModelRunner(model, config, num_blocks)
@@ -90,9 +97,9 @@ class LLMEngine:
         # One block is the reserved dummy block for padding.
         if num_blocks - 1 < config.max_blocks_per_seq:
             raise ValueError(
-                f"kv_cache_gib={config.kv_cache_gib} holds {max(num_blocks - 1, 0) * config.block_size}"
-                f" tokens, fewer than max_model_len={config.max_model_len}; raise kv_cache_gib or"
-                " lower max_model_len"
+                f"kv_cache_gib={config.kv_cache_gib} holds "
+                f"{max(num_blocks - 1, 0) * config.block_size} tokens, fewer than "
+                f"max_model_len={config.max_model_len}; raise kv_cache_gib or lower max_model_len"
             )
         engine = cls(config, model, tokenizer, num_blocks)
         engine.compile_cache_hit = engine.runner.warmup(show_progress)
@@ -135,15 +142,23 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
         self._validate_prompt(token_ids, params)
-        max_tokens = min(params.max_tokens or self.config.max_model_len,
-                         self.config.max_model_len - len(token_ids))
+        max_tokens = min(
+            params.max_tokens or self.config.max_model_len,
+            self.config.max_model_len - len(token_ids),
+        )
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         child_ids = [_child_id(request_id, i, params.n) for i in range(params.n)]
         parent = _ParentState(
-            request_id, text, token_ids, params, child_ids,
+            request_id,
+            text,
+            token_ids,
+            params,
+            child_ids,
             completions=[CompletionOutput(i, "", [], None, None) for i in range(params.n)],
-            detokenizers=[IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
-                          for _ in range(params.n)],
+            detokenizers=[
+                IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+                for _ in range(params.n)
+            ],
         )
         for i, cid in enumerate(child_ids):
             generator = torch.Generator().manual_seed(base_seed + i)
@@ -191,22 +206,30 @@ class LLMEngine:
             parent.num_cached_tokens = max(request.num_cached_tokens, 0)
         if logprobs is not None:
             self._append_logprobs(completion, logprobs)
-        stop = find_stop_string(detok.text, num_new_chars, request.params.stop,
-                                request.params.include_stop_str_in_output)
+        stop = find_stop_string(
+            detok.text,
+            num_new_chars,
+            request.params.stop_strings,
+            request.params.include_stop_str_in_output,
+        )
         if stop is not None and not request.status.finished:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             request.stop_reason = stop[1]
         if request.status.finished:
             if stop is None:
                 detok.flush()
-            completion.finish_reason = "stop" if request.status == RequestStatus.FINISHED_STOPPED else "length"
+            completion.finish_reason = (
+                "stop" if request.status == RequestStatus.FINISHED_STOPPED else "length"
+            )
             completion.stop_reason = request.stop_reason
         completion.text = stop[0] if stop is not None else detok.text
 
     def _append_logprobs(self, completion: CompletionOutput, lp: TokenLogprobs) -> None:
         entry = {
-            t: Logprob(v, r, self.tokenizer.decode([t]) if self.tokenizer is not None else None)
-            for t, v, r in zip(lp.token_ids, lp.logprobs, lp.ranks)
+            t: Logprob(
+                v, r, str(self.tokenizer.decode([t])) if self.tokenizer is not None else None
+            )
+            for t, v, r in zip(lp.token_ids, lp.logprobs, lp.ranks, strict=True)
         }
         if completion.logprobs is None:
             completion.logprobs = []
@@ -219,11 +242,23 @@ class LLMEngine:
             return None
         finished = all(c.finish_reason is not None for c in parent.completions)
         out = RequestOutput(
-            parent.request_id, parent.prompt, parent.prompt_token_ids,
-            [CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
-                              list(c.logprobs) if c.logprobs is not None else None,
-                              c.finish_reason, c.stop_reason) for c in parent.completions],
-            finished, parent.num_cached_tokens,
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            [
+                CompletionOutput(
+                    c.index,
+                    c.text,
+                    list(c.token_ids),
+                    c.cumulative_logprob,
+                    list(c.logprobs) if c.logprobs is not None else None,
+                    c.finish_reason,
+                    c.stop_reason,
+                )
+                for c in parent.completions
+            ],
+            finished,
+            parent.num_cached_tokens,
         )
         if finished:
             del self._parents[parent_id]

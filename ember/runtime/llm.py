@@ -101,23 +101,23 @@ class LLM:
         `raise_on_error`: if False, a request rejected for bad input comes back as a finished
         `RequestOutput` with `error` set and no completions, and the others still run.
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompt_list: list[PromptType] = (
+            [prompts] if isinstance(prompts, (str, dict)) else list(prompts)  # type: ignore[arg-type]
+        )
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
+            params_list = [sampling_params] * len(prompt_list)
         else:
             params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
+            if len(params_list) != len(prompt_list):
                 raise ValueError(
-                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
+                    f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts"
                 )
         ids: list[str] = []
         rejected: dict[str, RequestOutput] = {}
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params in zip(prompt_list, params_list, strict=True):
                 request_id = str(self._counter)
                 self._counter += 1
                 ids.append(request_id)
@@ -133,11 +133,13 @@ class LLM:
             raise
         return self._run(ids, use_tqdm, rejected)
 
-    def _run(self, ids: list[str], use_tqdm: bool,
-             finished: dict[str, RequestOutput]) -> list[RequestOutput]:
+    def _run(
+        self, ids: list[str], use_tqdm: bool, finished: dict[str, RequestOutput]
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
-        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True
+        )
         start, num_out = time.perf_counter(), 0
         try:
             while engine.has_unfinished_requests():
@@ -171,6 +173,9 @@ class LLM:
 
 
 def _error_output(request_id: str, prompt: PromptType, error: Exception) -> RequestOutput:
-    text = prompt if isinstance(prompt, str) else (
-        prompt.get("prompt") if isinstance(prompt, dict) else None)
+    text = (
+        prompt
+        if isinstance(prompt, str)
+        else (prompt.get("prompt") if isinstance(prompt, dict) else None)
+    )
     return RequestOutput(request_id, text, [], [], finished=True, error=f"{error}")

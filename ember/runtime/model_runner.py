@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
+from transformers import PreTrainedModel
 
 from ember.attention.metadata import AttentionMetadata, build_attention_metadata
 from ember.compiler import cache
@@ -37,8 +38,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor
 
 
-def build_forward_batch(plan: StepPlan, block_size: int, max_blocks: int,
-                        num_tokens_padded: int, num_seqs_padded: int) -> ForwardBatch:
+def build_forward_batch(
+    plan: StepPlan, block_size: int, max_blocks: int, num_tokens_padded: int, num_seqs_padded: int
+) -> ForwardBatch:
     """Lay the plan's requests end to end in one token stream, padded to the given sizes."""
     reqs = plan.requests
     num_new = [r.num_new_tokens for r in reqs]
@@ -52,7 +54,9 @@ def build_forward_batch(plan: StepPlan, block_size: int, max_blocks: int,
         num_seqs_padded=num_seqs_padded,
     )
     input_ids = torch.zeros(num_tokens_padded, dtype=torch.long)
-    input_ids[: plan.num_tokens] = torch.tensor([t for r in reqs for t in r.token_ids], dtype=torch.long)
+    input_ids[: plan.num_tokens] = torch.tensor(
+        [t for r in reqs for t in r.token_ids], dtype=torch.long
+    )
     logits_indices = torch.zeros(num_seqs_padded, dtype=torch.long)
     logits_indices[: len(reqs)] = torch.tensor(num_new).cumsum(0) - 1
     return ForwardBatch(input_ids, positions, meta, logits_indices)
@@ -74,7 +78,7 @@ def _mark_dynamic(batch: ForwardBatch, dynamic_tokens: bool) -> None:
 class ModelRunner:
     """Runs one step of the model over the paged KV cache and samples."""
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, model: PreTrainedModel, config: EngineConfig, num_blocks: int) -> None:
         self.config = config
         num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
         self.kv_spec = KVCacheSpec(
@@ -83,7 +87,9 @@ class ModelRunner:
         # Zeros, not empty: attention masks unused slots, and masked NaNs would still poison
         # the weighted sum.
         self.kv_caches = [
-            torch.zeros(2, num_blocks, config.block_size, num_kv_heads, head_dim, dtype=config.dtype)
+            torch.zeros(
+                2, num_blocks, config.block_size, num_kv_heads, head_dim, dtype=config.dtype
+            )
             for _ in range(num_layers)
         ]
         self.model = model
@@ -109,15 +115,21 @@ class ModelRunner:
 
     def prepare(self, plan: StepPlan) -> ForwardBatch:
         return build_forward_batch(
-            plan, self.config.block_size, self.config.max_blocks_per_seq,
-            padded_num_tokens(plan.num_tokens, self.buckets), padded_num_seqs(plan.num_seqs),
+            plan,
+            self.config.block_size,
+            self.config.max_blocks_per_seq,
+            padded_num_tokens(plan.num_tokens, self.buckets),
+            padded_num_seqs(plan.num_seqs),
         )
 
     def _run(self, batch: ForwardBatch) -> torch.Tensor:
         if self.config.compile:
             _mark_dynamic(batch, not is_static(batch.input_ids.shape[0], self.buckets))
         return self.forward(
-            batch.input_ids, batch.positions, batch.logits_indices, batch.attn_metadata,
+            batch.input_ids,
+            batch.positions,
+            batch.logits_indices,
+            batch.attn_metadata,
             self.kv_caches,
         )
 
@@ -129,7 +141,9 @@ class ModelRunner:
             return RunnerOutput({}, {})
         sampling = [plan.requests[i] for i in rows]
         tokens, logprobs = sample(logits[rows], sampling)
-        return RunnerOutput({r.request_id: t for r, t in zip(sampling, tokens)}, logprobs)
+        return RunnerOutput(
+            {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}, logprobs
+        )
 
     @torch.inference_mode()
     def warmup(self, show_progress: bool = True) -> bool:
@@ -142,14 +156,24 @@ class ModelRunner:
         if not self.config.compile:
             return False
         cache_dir = self.config.compile_cache_dir
-        parts = cache.key_parts(self.model.config, self.config.dtype, self.buckets,
-                                self.config.block_size, self.config.freeze_weights,
-                                len(self.graph_sizes) > len(self.buckets))
+        parts = cache.key_parts(
+            self.model.config,
+            self.config.dtype,
+            self.buckets,
+            self.config.block_size,
+            self.config.freeze_weights,
+            len(self.graph_sizes) > len(self.buckets),
+        )
         hit = cache_dir is not None and cache.lookup(cache_dir, parts)
         inductor_dir = cache.inductor_dir(cache_dir, parts) if cache_dir is not None else None
         with compile_settings(self.config.freeze_weights, inductor_dir):
-            for num_tokens in tqdm(self.graph_sizes, desc="Compiling graphs", unit="graph",
-                                   disable=not show_progress, dynamic_ncols=True):
+            for num_tokens in tqdm(
+                self.graph_sizes,
+                desc="Compiling graphs",
+                unit="graph",
+                disable=not show_progress,
+                dynamic_ncols=True,
+            ):
                 self._run(self._dummy_batch(num_tokens))
         if cache_dir is not None and not hit:
             cache.mark_complete(cache_dir, parts)
@@ -159,11 +183,20 @@ class ModelRunner:
         """Prefills totalling `num_tokens`, each within max_model_len, all in the null block."""
         bs, max_blocks = self.config.block_size, self.config.max_blocks_per_seq
         chunk = max_blocks * bs
-        num_new = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
+        num_new = [chunk] * (num_tokens // chunk) + (
+            [num_tokens % chunk] if num_tokens % chunk else []
+        )
         num_seqs = padded_num_seqs(len(num_new))
         meta, positions = build_attention_metadata(
-            [0] * len(num_new), num_new, [(0,) * -(-n // bs) for n in num_new], bs, max_blocks,
-            num_tokens, num_seqs,
+            [0] * len(num_new),
+            num_new,
+            [(0,) * -(-n // bs) for n in num_new],
+            bs,
+            max_blocks,
+            num_tokens,
+            num_seqs,
         )
         logits_indices = torch.zeros(num_seqs, dtype=torch.long)
-        return ForwardBatch(torch.zeros(num_tokens, dtype=torch.long), positions, meta, logits_indices)
+        return ForwardBatch(
+            torch.zeros(num_tokens, dtype=torch.long), positions, meta, logits_indices
+        )

@@ -66,7 +66,7 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         assert self.tokenizer is not None
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens))
 
     def append(self, token_id: int) -> int:
         """Add one token; returns how many characters were appended to `text`."""
@@ -94,8 +94,9 @@ class IncrementalDetokenizer:
         self._read_offset = len(self.token_ids)
 
 
-def find_stop_string(text: str, num_new_chars: int, stops: list[str],
-                     include_stop: bool) -> tuple[str, str] | None:
+def find_stop_string(
+    text: str, num_new_chars: int, stops: list[str], include_stop: bool
+) -> tuple[str, str] | None:
     """If a stop string appears in the last `num_new_chars` (plus overlap), return
     (truncated text, the stop string). The text ends before the stop string unless
     `include_stop`."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -73,6 +74,15 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop must be non-empty strings, got {stops!r}")
         return stops
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """`stop`, normalised to a list in `__post_init__`."""
+        return cast(list[str], self.stop)
+
+    @property
+    def stop_ids(self) -> list[int]:
+        return cast(list[int], self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:

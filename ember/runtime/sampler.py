@@ -49,7 +49,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Keep each row's top_k logits (top_k >= vocab keeps all) and the smallest set whose
     probability reaches top_p; the top token always survives."""
     vocab = logits.shape[-1]
@@ -70,8 +72,9 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int((probs / noise).argmax())
 
 
-def _logprobs(raw: torch.Tensor, tokens: list[int], requests: list[ScheduledRequest]
-              ) -> dict[str, TokenLogprobs]:
+def _logprobs(
+    raw: torch.Tensor, tokens: list[int], requests: list[ScheduledRequest]
+) -> dict[str, TokenLogprobs]:
     wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     if not wanted:
         return {}
@@ -90,15 +93,20 @@ def _logprobs(raw: torch.Tensor, tokens: list[int], requests: list[ScheduledRequ
     return result
 
 
-def sample(logits: torch.Tensor, requests: list[ScheduledRequest]
-           ) -> tuple[list[int], dict[str, TokenLogprobs]]:
+def sample(
+    logits: torch.Tensor, requests: list[ScheduledRequest]
+) -> tuple[list[int], dict[str, TokenLogprobs]]:
     """logits [num_seqs, vocab] (any float dtype) for `requests` in the same order."""
     raw = logits.float()
     params = [r.params for r in requests]
     x = raw
-    if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
+    if any(
+        p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
+    ):
         x = apply_penalties(
-            x, [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
+            x,
+            [r.prompt_token_ids for r in requests],
+            [r.output_token_ids for r in requests],
             torch.tensor([p.presence_penalty for p in params]),
             torch.tensor([p.frequency_penalty for p in params]),
             torch.tensor([p.repetition_penalty for p in params]),
@@ -111,7 +119,9 @@ def sample(logits: torch.Tensor, requests: list[ScheduledRequest]
         if bool((min_p > 0).any()):
             sub = apply_min_p(sub, min_p)
         vocab = sub.shape[-1]
-        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in random_rows])
+        top_k = torch.tensor(
+            [params[i].top_k if params[i].top_k > 0 else vocab for i in random_rows]
+        )
         top_p = torch.tensor([params[i].top_p for i in random_rows])
         if bool((top_k < vocab).any() or (top_p < 1).any()):
             sub = apply_top_k_top_p(sub, top_k, top_p)

@@ -92,7 +92,10 @@ class Scheduler:
     ) -> bool:
         total = request.num_computed_tokens + num_new
         while True:
-            if self.block_manager.allocate(request.request_id, request.all_token_ids, total) is not None:
+            if (
+                self.block_manager.allocate(request.request_id, request.all_token_ids, total)
+                is not None
+            ):
                 return True
             victim = next(r for r in reversed(self.running) if r.request_id not in done)
             self._preempt(victim)
@@ -165,7 +168,7 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params
-        if token in params.stop_token_ids:
+        if token in params.stop_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if not params.ignore_eos and token == request.eos_token_id:

@@ -12,8 +12,20 @@ from ember.attention.reference import ref_attention
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
 
-def _run_case(seq_specs, num_heads, num_kv_heads, head_dim, block_size, dtype,
-              causal=True, sliding_window=0, softcap=0.0, seed=0, pad_tokens=0, pad_seqs=0):
+def _run_case(
+    seq_specs,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype,
+    causal=True,
+    sliding_window=0,
+    softcap=0.0,
+    seed=0,
+    pad_tokens=0,
+    pad_seqs=0,
+):
     """seq_specs: list of (num_computed, num_new). Returns (op output, oracle outputs)."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = 1 + sum(-(-(c + n) // block_size) for c, n in seq_specs) + 3
@@ -34,9 +46,13 @@ def _run_case(seq_specs, num_heads, num_kv_heads, head_dim, block_size, dtype,
         full_v.append(v)
     num_tokens = sum(n for _, n in seq_specs)
     meta, _ = build_attention_metadata(
-        [c for c, _ in seq_specs], [n for _, n in seq_specs], tables, block_size,
+        [c for c, _ in seq_specs],
+        [n for _, n in seq_specs],
+        tables,
+        block_size,
         max_blocks=max(len(t) for t in tables) + 2,
-        num_tokens_padded=num_tokens + pad_tokens, num_seqs_padded=len(seq_specs) + pad_seqs,
+        num_tokens_padded=num_tokens + pad_tokens,
+        num_seqs_padded=len(seq_specs) + pad_seqs,
     )
     T = num_tokens + pad_tokens
     query = torch.randn(T, num_heads, head_dim, generator=g).to(dtype)
@@ -44,15 +60,28 @@ def _run_case(seq_specs, num_heads, num_kv_heads, head_dim, block_size, dtype,
     value = torch.zeros(T, num_kv_heads, head_dim, dtype=dtype)
     start = 0
     for (c, n), k, v in zip(seq_specs, full_k, full_v):
-        key[start:start + n], value[start:start + n] = k[c:], v[c:]
+        key[start : start + n], value[start : start + n] = k[c:], v[c:]
         start += n
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = torch.ops.ember.paged_attention(
-        query, key, value, kv_cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-        meta.block_tables, scale, sliding_window, softcap, causal)
+        query,
+        key,
+        value,
+        kv_cache,
+        meta.slot_mapping,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        scale,
+        sliding_window,
+        softcap,
+        causal,
+    )
     refs, start = [], 0
     for (c, n), k, v in zip(seq_specs, full_k, full_v):
-        refs.append(ref_attention(query[start:start + n], k, v, scale, causal, sliding_window, softcap))
+        refs.append(
+            ref_attention(query[start : start + n], k, v, scale, causal, sliding_window, softcap)
+        )
         start += n
     # The cache now holds every token's K/V at its slot.
     for table, k in zip(tables, full_k):
@@ -79,14 +108,20 @@ def test_paged_attention_matches_reference(case, heads, block_size, dtype):
     start = 0
     for ref in refs:
         n = ref.shape[0]
-        torch.testing.assert_close(out[start:start + n].float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+        torch.testing.assert_close(
+            out[start : start + n].float(), ref, atol=TOL[dtype], rtol=TOL[dtype]
+        )
         start += n
 
 
 @pytest.mark.parametrize("window", [1, 5, 13])
 def test_paged_attention_sliding_window(window):
-    out, refs, _ = _run_case(CASES["mixed"] + [(20, 4)], 4, 2, 8, 4, torch.float32, sliding_window=window)
-    torch.testing.assert_close(out[: sum(r.shape[0] for r in refs)], torch.cat(refs), atol=2e-5, rtol=2e-5)
+    out, refs, _ = _run_case(
+        CASES["mixed"] + [(20, 4)], 4, 2, 8, 4, torch.float32, sliding_window=window
+    )
+    torch.testing.assert_close(
+        out[: sum(r.shape[0] for r in refs)], torch.cat(refs), atol=2e-5, rtol=2e-5
+    )
 
 
 def test_paged_attention_bidirectional():
@@ -109,7 +144,18 @@ def test_paged_attention_opcheck():
     block_size, H, Hkv, D = 4, 4, 2, 8
     kv_cache = torch.randn(2, 8, block_size, Hkv, D)
     meta, _ = build_attention_metadata([3, 0], [1, 6], [(1, 2), (3, 4)], block_size, 4, 9, 3)
-    args = (torch.randn(9, H, D), torch.randn(9, Hkv, D), torch.randn(9, Hkv, D), kv_cache,
-            meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            D ** -0.5, 0, 0.0, True)
+    args = (
+        torch.randn(9, H, D),
+        torch.randn(9, Hkv, D),
+        torch.randn(9, Hkv, D),
+        kv_cache,
+        meta.slot_mapping,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        D**-0.5,
+        0,
+        0.0,
+        True,
+    )
     torch.library.opcheck(torch.ops.ember.paged_attention.default, args)

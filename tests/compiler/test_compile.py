@@ -24,7 +24,15 @@ from tests.e2e.test_generate_hf import run_staggered
 
 def test_buckets_padding_and_graph_sizes():
     ladder = (1, 4, 16)
-    assert [padded_num_tokens(n, ladder) for n in (1, 2, 4, 5, 16, 17, 300)] == [1, 4, 4, 16, 16, 17, 300]
+    assert [padded_num_tokens(n, ladder) for n in (1, 2, 4, 5, 16, 17, 300)] == [
+        1,
+        4,
+        4,
+        16,
+        16,
+        17,
+        300,
+    ]
     assert graph_sizes(ladder, 16) == (1, 4, 16)
     assert graph_sizes(ladder, 2048) == (1, 4, 16, 17)
     assert graph_sizes((1,), 2048) == (1, 2)
@@ -42,26 +50,45 @@ def test_compiled_graph_count_no_breaks_and_matches_hf(checkpoint_dir, family):
     d = checkpoint_dir(family)
     graphs_before = counters["stats"]["unique_graphs"]
     breaks_before = sum(counters["graph_break"].values())
-    llm = LLM(model=d, dtype="float32", kv_cache_gib=0.01, block_size=4, max_num_batched_tokens=8,
-              max_model_len=96, token_buckets=(1, 2), use_tqdm=False)
+    llm = LLM(
+        model=d,
+        dtype="float32",
+        kv_cache_gib=0.01,
+        block_size=4,
+        max_num_batched_tokens=8,
+        max_model_len=96,
+        token_buckets=(1, 2),
+        use_tqdm=False,
+    )
     assert llm.llm_engine.runner.graph_sizes == (1, 2, 3)
     assert counters["stats"]["unique_graphs"] - graphs_before == 3
     assert sum(counters["graph_break"].values()) == breaks_before
     prompts = make_prompts(6, seed=11, low=2, high=20)
     with torch.compiler.set_stance("fail_on_recompile"):
-        got = run_staggered(llm, prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+        got = run_staggered(
+            llm, prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        )
     assert got == hf_greedy(d, prompts, 10)
 
 
 def test_compiled_long_random_workload_never_recompiles_and_matches_eager(checkpoint_dir):
     """200+ steps of random arrivals, lengths, shared prefixes and aborts after warm-up."""
     d = checkpoint_dir("tiny-llama")
-    kw = dict(dtype="float32", kv_cache_gib=gib_for_blocks(d, 24, 4), block_size=4, max_num_batched_tokens=8,
-              max_model_len=64, use_tqdm=False)
+    kw = dict(
+        dtype="float32",
+        kv_cache_gib=gib_for_blocks(d, 24, 4),
+        block_size=4,
+        max_num_batched_tokens=8,
+        max_model_len=64,
+        use_tqdm=False,
+    )
     compiled = LLM(model=d, **kw).llm_engine
     rng = random.Random(0)
     shared = make_prompts(1, seed=12, low=9, high=10)[0]
-    prompts = [(shared if rng.random() < 0.4 else []) + p for p in make_prompts(64, seed=13, low=1, high=24)]
+    prompts = [
+        (shared if rng.random() < 0.4 else []) + p
+        for p in make_prompts(64, seed=13, low=1, high=24)
+    ]
     lengths = [rng.randint(1, 16) for _ in prompts]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     done: dict[str, list[int]] = {}
@@ -87,8 +114,9 @@ def test_compiled_long_random_workload_never_recompiles_and_matches_eager(checkp
     assert compiled.block_manager.num_free_blocks == compiled.block_manager.num_usable_blocks
     eager = LLM(model=d, compile=False, **kw)
     keep = sorted(int(i) for i in done)
-    want = eager.generate([{"prompt_token_ids": prompts[i]} for i in keep], [params[i] for i in keep],
-                          use_tqdm=False)
+    want = eager.generate(
+        [{"prompt_token_ids": prompts[i]} for i in keep], [params[i] for i in keep], use_tqdm=False
+    )
     assert [done[str(i)] for i in keep] == [o.outputs[0].token_ids for o in want]
     assert len(keep) + len(aborted) == len(prompts)
 
@@ -115,15 +143,43 @@ def test_compile_cache_round_trip_ember_warmup_then_engine(checkpoint_dir, tmp_p
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "default_inductor"))
 
     def run() -> dict:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, d, cache_dir], capture_output=True,
-                              text=True, timeout=900, env=env, check=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, d, cache_dir],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=env,
+            check=True,
+        )
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     warm = subprocess.run(
-        [sys.executable, "-m", "ember.cli", "warmup", "--model", d, "--dtype", "float32",
-         "--kv-cache-gib", "0.01", "--block-size", "4", "--max-num-batched-tokens", "8",
-         "--max-model-len", "64", "--cache-dir", cache_dir],
-        capture_output=True, text=True, timeout=900, env=env, check=True)
+        [
+            sys.executable,
+            "-m",
+            "ember.cli",
+            "warmup",
+            "--model",
+            d,
+            "--dtype",
+            "float32",
+            "--kv-cache-gib",
+            "0.01",
+            "--block-size",
+            "4",
+            "--max-num-batched-tokens",
+            "8",
+            "--max-model-len",
+            "64",
+            "--cache-dir",
+            cache_dir,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        check=True,
+    )
     assert "2 graphs (static token buckets [1] + one dynamic) compiled and saved" in warm.stdout
     served = run()
     assert served["hit"] and served["fx_miss"] == 0 and served["fx_hit"] == 2
@@ -131,8 +187,30 @@ def test_compile_cache_round_trip_ember_warmup_then_engine(checkpoint_dir, tmp_p
     assert again["tokens"] == served["tokens"]
     # A different engine shape misses, says why in one line, and compiles normally.
     other = subprocess.run(
-        [sys.executable, "-m", "ember.cli", "warmup", "--model", d, "--dtype", "float32",
-         "--kv-cache-gib", "0.01", "--block-size", "8", "--max-num-batched-tokens", "8",
-         "--max-model-len", "64", "--cache-dir", cache_dir],
-        capture_output=True, text=True, timeout=900, env=env, check=True)
+        [
+            sys.executable,
+            "-m",
+            "ember.cli",
+            "warmup",
+            "--model",
+            d,
+            "--dtype",
+            "float32",
+            "--kv-cache-gib",
+            "0.01",
+            "--block-size",
+            "8",
+            "--max-num-batched-tokens",
+            "8",
+            "--max-model-len",
+            "64",
+            "--cache-dir",
+            cache_dir,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        check=True,
+    )
     assert "differs in block_size" in other.stderr and "compiled and saved" in other.stdout

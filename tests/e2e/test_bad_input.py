@@ -16,8 +16,13 @@ GOOD = make_prompts(2, seed=20)
 
 @pytest.fixture(scope="module")
 def llm(checkpoint_dir):
-    with LLM(model=checkpoint_dir("tiny-llama"), compile=False, dtype="float32", kv_cache_gib=0.01,
-             max_model_len=64) as engine:
+    with LLM(
+        model=checkpoint_dir("tiny-llama"),
+        compile=False,
+        dtype="float32",
+        kv_cache_gib=0.01,
+        max_model_len=64,
+    ) as engine:
         yield engine
 
 
@@ -41,8 +46,12 @@ def test_bad_prompt_raises_and_engine_keeps_serving(llm, checkpoint_dir, case):
     assert not llm.llm_engine.has_unfinished_requests()
     bm = llm.llm_engine.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks
-    outs = llm.generate([{"prompt_token_ids": GOOD[0]}, prompt, {"prompt_token_ids": GOOD[1]}],
-                        params, use_tqdm=False, raise_on_error=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": GOOD[0]}, prompt, {"prompt_token_ids": GOOD[1]}],
+        params,
+        use_tqdm=False,
+        raise_on_error=False,
+    )
     assert outs[1].error is not None and outs[1].finished and outs[1].outputs == []
     want = hf_greedy(checkpoint_dir("tiny-llama"), GOOD, 6)
     assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == want
@@ -115,7 +124,9 @@ def test_engine_close_releases_memory_across_five_cycles(checkpoint_dir):
     rss = []
     for _ in range(5):
         with LLM(model=d, compile=False, kv_cache_gib=0.25, max_model_len=64) as llm:
-            llm.generate({"prompt_token_ids": GOOD[0]}, SamplingParams(max_tokens=4), use_tqdm=False)
+            llm.generate(
+                {"prompt_token_ids": GOOD[0]}, SamplingParams(max_tokens=4), use_tqdm=False
+            )
             peak = _rss_mib()
         rss.append(_rss_mib())
         assert peak - rss[-1] > 200, "closing must release the 256 MiB KV cache"

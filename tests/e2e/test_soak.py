@@ -11,16 +11,29 @@ from tests.conftest import gib_for_blocks, make_prompts
 
 def test_soak_300_requests_with_aborts_and_preemption(checkpoint_dir):
     d = checkpoint_dir("tiny-llama")
-    kw = dict(compile=False, dtype="float32", block_size=4, max_model_len=64,
-              max_num_batched_tokens=24, max_num_seqs=16)
+    kw = dict(
+        compile=False,
+        dtype="float32",
+        block_size=4,
+        max_model_len=64,
+        max_num_batched_tokens=24,
+        max_num_seqs=16,
+    )
     llm = LLM(model=d, kv_cache_gib=gib_for_blocks(d, 40, 4), **kw)
     engine = llm.llm_engine
     rng = random.Random(1)
     prefixes = make_prompts(3, seed=30, low=8, high=20)
     tails = make_prompts(300, seed=31, low=1, high=30)
     prompts = [(rng.choice(prefixes) if rng.random() < 0.5 else []) + t for t in tails]
-    params = [SamplingParams(max_tokens=rng.randint(1, 20), temperature=0.0, ignore_eos=True,
-                             n=2 if rng.random() < 0.1 else 1) for _ in prompts]
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(1, 20),
+            temperature=0.0,
+            ignore_eos=True,
+            n=2 if rng.random() < 0.1 else 1,
+        )
+        for _ in prompts
+    ]
     done: dict[str, list[list[int]]] = {}
     aborted: set[str] = set()
     pending = list(range(len(prompts)))
@@ -49,5 +62,7 @@ def test_soak_300_requests_with_aborts_and_preemption(checkpoint_dir):
         want = solo.generate({"prompt_token_ids": prompts[i]}, params[i], use_tqdm=False)[0]
         mismatches += outputs != [c.token_ids for c in want.outputs]
     assert mismatches == 0
-    print(f"soak: requests=300 finished={len(done)} aborted={len(aborted)} "
-          f"preemptions={engine.scheduler.num_preemptions} mismatches={mismatches}")
+    print(
+        f"soak: requests=300 finished={len(done)} aborted={len(aborted)} "
+        f"preemptions={engine.scheduler.num_preemptions} mismatches={mismatches}"
+    )

@@ -12,18 +12,21 @@ from ember import LLM
 from ember.runtime.config import resolve_dtype
 
 
-@pytest.mark.parametrize("kwargs,knob", [
-    (dict(kv_cache_gib=0), "kv_cache_gib"),
-    (dict(kv_cache_gib=-1), "kv_cache_gib"),
-    (dict(block_size=3), "block_size"),
-    (dict(block_size=0), "block_size"),
-    (dict(max_num_seqs=0), "max_num_seqs"),
-    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
-    (dict(max_model_len=0), "max_model_len"),
-    (dict(max_model_len=10**6), "max_model_len"),
-    (dict(dtype="int8"), "dtype"),
-    (dict(kv_cache_gib=1e-5, max_model_len=2048), "kv_cache_gib"),
-])
+@pytest.mark.parametrize(
+    "kwargs,knob",
+    [
+        (dict(kv_cache_gib=0), "kv_cache_gib"),
+        (dict(kv_cache_gib=-1), "kv_cache_gib"),
+        (dict(block_size=3), "block_size"),
+        (dict(block_size=0), "block_size"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+        (dict(max_model_len=0), "max_model_len"),
+        (dict(max_model_len=10**6), "max_model_len"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(kv_cache_gib=1e-5, max_model_len=2048), "kv_cache_gib"),
+    ],
+)
 def test_engine_config_rejects_bad_knobs(checkpoint_dir, kwargs, knob):
     with pytest.raises(ValueError, match=knob):
         LLM(model=checkpoint_dir("tiny-llama"), compile=False, **kwargs)
@@ -40,7 +43,9 @@ def test_dtype_resolution():
 def test_unknown_architecture_fails_at_load_naming_it(tmp_path):
     import json
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "bert", "architectures": ["BertModel"]})
+    )
     with pytest.raises(ValueError, match="BertModel"):
         LLM(model=str(tmp_path))
 
@@ -53,8 +58,26 @@ def test_missing_model_dir_is_a_value_error(tmp_path):
 def test_cli_generate_prints_text_and_throughput(checkpoint_dir):
     d = checkpoint_dir("tiny-llama")
     out = subprocess.run(
-        [sys.executable, "-m", "ember.cli", "generate", "--model", d, "--prompt", "Hello",
-         "--max-tokens", "8", "--no-compile", "--kv-cache-gib", "0.01", "--max-model-len", "64"],
-        capture_output=True, text=True, timeout=300, check=True,
+        [
+            sys.executable,
+            "-m",
+            "ember.cli",
+            "generate",
+            "--model",
+            d,
+            "--prompt",
+            "Hello",
+            "--max-tokens",
+            "8",
+            "--no-compile",
+            "--kv-cache-gib",
+            "0.01",
+            "--max-model-len",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     ).stdout
     assert "--- prompt: 'Hello'" in out and "tok/s" in out

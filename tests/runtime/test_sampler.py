@@ -10,9 +10,20 @@ from ember.runtime.request import SamplingParams
 from ember.runtime.sampler import apply_min_p, apply_penalties, apply_top_k_top_p, sample
 
 
-def _sched(rid: str, params: SamplingParams, seed: int, prompt=(1, 2), output=()) -> ScheduledRequest:
-    return ScheduledRequest(rid, 0, (1,), (1,), True, params, torch.Generator().manual_seed(seed),
-                            tuple(prompt), tuple(output))
+def _sched(
+    rid: str, params: SamplingParams, seed: int, prompt=(1, 2), output=()
+) -> ScheduledRequest:
+    return ScheduledRequest(
+        rid,
+        0,
+        (1,),
+        (1,),
+        True,
+        params,
+        torch.Generator().manual_seed(seed),
+        tuple(prompt),
+        tuple(output),
+    )
 
 
 def ref_top_k_top_p(row: torch.Tensor, k: int, p: float) -> set[int]:
@@ -51,7 +62,9 @@ def test_sampler_penalties_match_naive():
     prompts = [(1, 2, 2), (9,)]
     outputs = [(2, 3, 3, 3), ()]
     pres, freq, rep = [0.5, -0.3], [0.25, 1.0], [1.3, 0.8]
-    got = apply_penalties(logits, prompts, outputs, torch.tensor(pres), torch.tensor(freq), torch.tensor(rep))
+    got = apply_penalties(
+        logits, prompts, outputs, torch.tensor(pres), torch.tensor(freq), torch.tensor(rep)
+    )
     want = logits.clone()
     for i in range(2):
         for t in range(10):
@@ -84,8 +97,10 @@ def test_sampler_seeded_reproducible_across_batch_compositions():
     target_row = logits[2:3]
 
     def draw(rows: torch.Tensor, position: int, seqs: int) -> list[int]:
-        reqs = [_sched(str(i), params if i == position else SamplingParams(temperature=1.0), 100 + i)
-                for i in range(seqs)]
+        reqs = [
+            _sched(str(i), params if i == position else SamplingParams(temperature=1.0), 100 + i)
+            for i in range(seqs)
+        ]
         reqs[position] = _sched("t", params, 11)
         tokens = []
         gen = reqs[position].generator
@@ -108,20 +123,33 @@ def test_sampler_distribution_follows_temperature():
     params = SamplingParams(temperature=1.0)
     counts = [0, 0, 0]
     for _ in range(3000):
-        t = sample(logits, [ScheduledRequest("a", 0, (1,), (1,), True, params, gen, (1,), ())])[0][0]
+        t = sample(logits, [ScheduledRequest("a", 0, (1,), (1,), True, params, gen, (1,), ())])[0][
+            0
+        ]
         counts[t] += 1
     expected = torch.softmax(logits[0], 0).tolist()
     for c, e in zip(counts, expected):
         assert abs(c / 3000 - e) < 0.03
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(temperature=-1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"),
-    (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
-    (dict(presence_penalty=3), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
-    (dict(repetition_penalty=0), "repetition_penalty"), (dict(logprobs=-1), "logprobs"),
-    (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(seed=1.5), "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=0), "n"),
+        (dict(presence_penalty=3), "presence_penalty"),
+        (dict(frequency_penalty=-3), "frequency_penalty"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(seed=1.5), "seed"),
+    ],
+)
 def test_sampling_params_invalid_values_raise(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)

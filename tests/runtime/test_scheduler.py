@@ -112,14 +112,21 @@ def test_scheduler_random_workload_keeps_invariants_and_drains():
     n = 0
     for step in range(400):
         if n < 40 and rng.random() < 0.3:
-            prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(1, 50) for _ in range(rng.randint(1, 14))]
+            prompt = (shared if rng.random() < 0.5 else []) + [
+                rng.randrange(1, 50) for _ in range(rng.randint(1, 14))
+            ]
             sched.add_request(_request(f"r{n}", prompt, max_tokens=rng.randint(1, 10), eos=3))
             n += 1
         if sched.requests and rng.random() < 0.05:
             sched.finish_request(rng.choice(list(sched.requests)), RequestStatus.FINISHED_ABORTED)
         plan = sched.schedule()
         assert plan.num_tokens <= 12 and plan.num_seqs <= 6
-        sched.update(plan, RunnerOutput({r.request_id: rng.randrange(1, 50) for r in plan.requests if r.sample}, {}))
+        sched.update(
+            plan,
+            RunnerOutput(
+                {r.request_id: rng.randrange(1, 50) for r in plan.requests if r.sample}, {}
+            ),
+        )
         bm.assert_invariants()
         if n == 40 and not sched.has_unfinished_requests():
             break

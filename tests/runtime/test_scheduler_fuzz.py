@@ -22,20 +22,28 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
-        self.sched = Scheduler(self.bm, max_num_seqs=4, max_num_batched_tokens=6,
-                               max_model_len=MAX_MODEL_LEN)
+        self.sched = Scheduler(
+            self.bm, max_num_seqs=4, max_num_batched_tokens=6, max_model_len=MAX_MODEL_LEN
+        )
         self.count = 0
         self.finished: list[Request] = []
 
-    @rule(length=st.integers(1, 12), shared=st.booleans(), n=st.integers(1, 3),
-          max_tokens=st.integers(1, 8), data=st.data())
+    @rule(
+        length=st.integers(1, 12),
+        shared=st.booleans(),
+        n=st.integers(1, 3),
+        max_tokens=st.integers(1, 8),
+        data=st.data(),
+    )
     def add(self, length: int, shared: bool, n: int, max_tokens: int, data: st.DataObject) -> None:
         tail = data.draw(st.lists(st.integers(3, 40), min_size=length, max_size=length))
         prompt = (SHARED + tail)[: MAX_MODEL_LEN - 1] if shared else tail
         for _ in range(n):  # parallel samples: same prompt, own request
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
             budget = min(max_tokens, MAX_MODEL_LEN - len(prompt))
-            self.sched.add_request(Request(f"r{self.count}", prompt, params, 2, budget, torch.Generator()))
+            self.sched.add_request(
+                Request(f"r{self.count}", prompt, params, 2, budget, torch.Generator())
+            )
             self.count += 1
 
     @precondition(lambda self: self.sched.has_unfinished_requests())
@@ -79,6 +87,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
