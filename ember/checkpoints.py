@@ -33,42 +33,20 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: ( ) [ ] { } < > , . ; : !
 
 _FAMILIES: dict[str, Any] = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
 
+_TINY: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
+
 # name -> (family, config overrides); vocab_size None means the tokenizer's size.
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "tiny-llama": (
-        "llama",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=512,
-        ),
-    ),
-    "tiny-qwen2": (
-        "qwen2",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=512,
-        ),
-    ),
-    "tiny-mistral": (
-        "mistral",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            vocab_size=512,
-            sliding_window=24,
-        ),
-    ),
+    "tiny-llama": ("llama", _TINY),
+    "tiny-qwen2": ("qwen2", _TINY),
+    "tiny-mistral": ("mistral", dict(_TINY, num_key_value_heads=1, sliding_window=24)),
     "small-llama": (
         "llama",
         dict(

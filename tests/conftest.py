@@ -92,3 +92,31 @@ def with_eos(model_dir: str, eos: int, dest: str) -> str:
             with open(path, "w") as f:
                 json.dump(cfg, f)
     return dest
+
+
+def drive_random(engine, prompts, params, rng, arrivals, abort_prob, check=None):
+    """Feed `prompts` to `engine` as `arrivals()` new requests per step, aborting a random
+    unfinished request with probability `abort_prob` per step, until all are done.
+
+    Returns (token ids of every completion by request id, aborted ids, number of steps).
+    """
+    done: dict[str, list[list[int]]] = {}
+    aborted: set[str] = set()
+    pending = list(range(len(prompts)))
+    steps = 0
+    while pending or engine.has_unfinished_requests():
+        for _ in range(arrivals()):
+            if pending:
+                i = pending.pop(0)
+                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i])
+        if rng.random() < abort_prob and engine.has_unfinished_requests():
+            victim = rng.choice(sorted(engine._parents))
+            engine.abort_request(victim)
+            aborted.add(victim)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [c.token_ids for c in out.outputs]
+        if check is not None:
+            check()
+        steps += 1
+    return done, aborted, steps

@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 
 from ember import LLM, SamplingParams
 from ember.runtime.buckets import graph_sizes, padded_num_tokens
-from tests.conftest import FAMILIES, gib_for_blocks, hf_greedy, make_prompts
+from tests.conftest import FAMILIES, drive_random, gib_for_blocks, hf_greedy, make_prompts
 from tests.e2e.test_generate_hf import run_staggered
 
 
@@ -91,24 +91,10 @@ def test_compiled_long_random_workload_never_recompiles_and_matches_eager(checkp
     ]
     lengths = [rng.randint(1, 16) for _ in prompts]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
-    done: dict[str, list[int]] = {}
-    aborted: set[str] = set()
-    steps = 0
     with torch.compiler.set_stance("fail_on_recompile"):
-        pending = list(range(len(prompts)))
-        while pending or compiled.has_unfinished_requests():
-            if pending and rng.random() < 0.3:
-                if pending:
-                    i = pending.pop(0)
-                    compiled.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i])
-            if rng.random() < 0.05 and compiled.has_unfinished_requests():
-                victim = rng.choice(list(compiled._parents))
-                compiled.abort_request(victim)
-                aborted.add(victim)
-            for out in compiled.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
-            steps += 1
+        done, aborted, steps = drive_random(
+            compiled, prompts, params, rng, lambda: int(rng.random() < 0.3), abort_prob=0.05
+        )
     assert steps >= 200
     assert compiled.scheduler.num_preemptions > 0
     assert compiled.block_manager.num_free_blocks == compiled.block_manager.num_usable_blocks
@@ -117,7 +103,7 @@ def test_compiled_long_random_workload_never_recompiles_and_matches_eager(checkp
     want = eager.generate(
         [{"prompt_token_ids": prompts[i]} for i in keep], [params[i] for i in keep], use_tqdm=False
     )
-    assert [done[str(i)] for i in keep] == [o.outputs[0].token_ids for o in want]
+    assert [done[str(i)][0] for i in keep] == [o.outputs[0].token_ids for o in want]
     assert len(keep) + len(aborted) == len(prompts)
 
 
@@ -142,20 +128,18 @@ def test_compile_cache_round_trip_ember_warmup_then_engine(checkpoint_dir, tmp_p
     cache_dir = str(tmp_path / "cache")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "default_inductor"))
 
-    def run() -> dict:
-        proc = subprocess.run(
-            [sys.executable, "-c", _CHILD, d, cache_dir],
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, *args],
             capture_output=True,
             text=True,
             timeout=900,
             env=env,
             check=True,
         )
-        return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    warm = subprocess.run(
-        [
-            sys.executable,
+    def warmup(block_size: int) -> subprocess.CompletedProcess:
+        return run(
             "-m",
             "ember.cli",
             "warmup",
@@ -166,51 +150,23 @@ def test_compile_cache_round_trip_ember_warmup_then_engine(checkpoint_dir, tmp_p
             "--kv-cache-gib",
             "0.01",
             "--block-size",
-            "4",
+            str(block_size),
             "--max-num-batched-tokens",
             "8",
             "--max-model-len",
             "64",
             "--cache-dir",
             cache_dir,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        check=True,
-    )
+        )
+
+    def serve() -> dict:
+        return json.loads(run("-c", _CHILD, d, cache_dir).stdout.strip().splitlines()[-1])
+
+    warm = warmup(block_size=4)
     assert "2 graphs (static token buckets [1] + one dynamic) compiled and saved" in warm.stdout
-    served = run()
+    served = serve()
     assert served["hit"] and served["fx_miss"] == 0 and served["fx_hit"] == 2
-    again = run()
-    assert again["tokens"] == served["tokens"]
+    assert serve()["tokens"] == served["tokens"]
     # A different engine shape misses, says why in one line, and compiles normally.
-    other = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ember.cli",
-            "warmup",
-            "--model",
-            d,
-            "--dtype",
-            "float32",
-            "--kv-cache-gib",
-            "0.01",
-            "--block-size",
-            "8",
-            "--max-num-batched-tokens",
-            "8",
-            "--max-model-len",
-            "64",
-            "--cache-dir",
-            cache_dir,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        check=True,
-    )
+    other = warmup(block_size=8)
     assert "differs in block_size" in other.stderr and "compiled and saved" in other.stdout

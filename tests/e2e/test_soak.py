@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from ember import LLM, SamplingParams
-from tests.conftest import gib_for_blocks, make_prompts
+from tests.conftest import drive_random, gib_for_blocks, make_prompts
 
 
 def test_soak_300_requests_with_aborts_and_preemption(checkpoint_dir):
@@ -34,22 +34,15 @@ def test_soak_300_requests_with_aborts_and_preemption(checkpoint_dir):
         )
         for _ in prompts
     ]
-    done: dict[str, list[list[int]]] = {}
-    aborted: set[str] = set()
-    pending = list(range(len(prompts)))
-    while pending or engine.has_unfinished_requests():
-        for _ in range(rng.randint(0, 4)):
-            if pending:
-                i = pending.pop(0)
-                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i])
-        if rng.random() < 0.1 and engine.has_unfinished_requests():
-            victim = rng.choice(sorted(engine._parents))
-            engine.abort_request(victim)
-            aborted.add(victim)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = [c.token_ids for c in out.outputs]
-        engine.block_manager.assert_invariants()
+    done, aborted, _ = drive_random(
+        engine,
+        prompts,
+        params,
+        rng,
+        lambda: rng.randint(0, 4),
+        abort_prob=0.1,
+        check=engine.block_manager.assert_invariants,
+    )
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks, "blocks leaked"
     assert engine.scheduler.num_preemptions > 10
