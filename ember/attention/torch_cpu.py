@@ -1,11 +1,9 @@
-"""The "torch" CPU backend of `ember::paged_attention`.
+"""The "torch" CPU backend of `ember::paged_attention`: PyTorch ops over the paged cache.
 
 Cache layout per layer: `kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]`
-(index 0 = keys, 1 = values). All new K/V of the step are written first (PyTorch index_copy_),
-then every token attends, so a sequence may read blocks that another sequence of the same step
-fills (prefix hits). Attention runs in the C kernel of `cpu_kernel` (reads each K/V row once
-from its block, no per-sequence Python loop, no dense mask) when it is built; otherwise in the
-pure-PyTorch path below (gathered copies, decodes batched, one SDPA call per prefill chunk).
+(index 0 = keys, 1 = values). All new K/V of the step are written before any sequence reads,
+so a sequence may read blocks that another sequence of the same step fills (prefix hits).
+Decodes are attended together in one batched call; each prefill chunk gets its own call.
 Math runs in float32 whatever the cache dtype.
 """
 
@@ -13,13 +11,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from ember.attention import cpu_kernel
-
-# Sequences with at least this many new tokens attend through batched SDPA (GEMM-shaped);
-# the rest through the C kernel. Measured: a 512-token prefill takes 7.0 ms in SDPA and 24.7 ms
-# in the kernel; decodes are 2-3x faster in the kernel.
-GEMM_MIN_QUERY = 32
 
 
 def write_kv(
@@ -95,105 +86,6 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write the step's K/V into `kv_cache`, then attend. Shapes: see `ember.attention.ops`."""
     write_kv(kv_cache, key, value, slot_mapping)
-    _, num_heads, head_dim = query.shape
-    if not (
-        cpu_kernel.available()
-        and cpu_kernel.supports(num_heads, kv_cache.shape[3], head_dim, kv_cache.dtype)
-    ):
-        out = attend_torch(
-            query,
-            kv_cache,
-            query_start_loc,
-            seq_lens,
-            block_tables,
-            scale,
-            sliding_window,
-            softcap,
-            causal,
-        )
-        return out.to(query.dtype)
-    out = torch.zeros(query.shape, dtype=torch.float32)
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    long_q = q_lens >= GEMM_MIN_QUERY
-    if bool(long_q.any()):
-        _attend_prefills(
-            query,
-            out,
-            kv_cache,
-            query_start_loc,
-            seq_lens,
-            block_tables,
-            long_q.nonzero().flatten(),
-            scale,
-            sliding_window,
-            softcap,
-            causal,
-        )
-    # Every other real token (decodes, short chunks) goes to the kernel.
-    rows = torch.arange(int(query_start_loc[-1]))
-    token_seq = torch.repeat_interleave(torch.arange(q_lens.shape[0]), q_lens.long())
-    cpu_kernel.paged_attention(
-        query,
-        out,
-        rows[~long_q[token_seq]],
-        kv_cache,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        scale,
-        sliding_window,
-        softcap,
-        causal,
-    )
-    return out.to(query.dtype)
-
-
-def _attend_prefills(
-    query: torch.Tensor,
-    out: torch.Tensor,
-    kv_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    seqs: torch.Tensor,
-    scale: float,
-    sliding_window: int,
-    softcap: float,
-    causal: bool,
-) -> None:
-    """Sequences `seqs` with long query chunks: one batched SDPA over their gathered contexts,
-    queries padded to the longest chunk (no loop over sequences, no mask across requests)."""
-    block_size = kv_cache.shape[2]
-    starts = query_start_loc[seqs].long()
-    q_lens = query_start_loc[seqs + 1].long() - starts
-    lens = seq_lens[seqs].long()
-    max_q, max_len = int(q_lens.max()), int(lens.max())
-    k, v = _gather(kv_cache, block_tables[seqs, : -(-max_len // block_size)].long(), max_len)
-    offs = torch.arange(max_q)
-    valid = offs[None, :] < q_lens[:, None]  # [n, max_q]
-    rows = (starts[:, None] + offs[None, :]).clamp(max=query.shape[0] - 1)
-    q = query[rows].float().transpose(1, 2)  # [n, H, max_q, D]
-    q_pos = lens[:, None] - q_lens[:, None] + offs[None, :]
-    mask = _visible(q_pos, max_len, lens, causal, sliding_window)
-    mask = mask & valid[:, None, :, None]
-    # Padded query rows would see no key; let them see key 0 to keep softmax finite.
-    mask[..., 0] |= ~valid[:, None, :]
-    res = _attend(q, k, v, mask, scale, softcap).transpose(1, 2)  # [n, max_q, H, D]
-    out[rows[valid]] = res[valid]
-
-
-def attend_torch(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    sliding_window: int,
-    softcap: float,
-    causal: bool,
-) -> torch.Tensor:
-    """Pure-PyTorch fallback (no compiler): attend over gathered copies; float32 output."""
     block_size = kv_cache.shape[2]
     out = torch.zeros(query.shape, dtype=torch.float32)
     starts = query_start_loc.tolist()
@@ -218,4 +110,4 @@ def attend_torch(
         mask = _visible(q_pos, length, seq_lens[i : i + 1].long(), causal, sliding_window)
         q = query[starts[i] : starts[i + 1]].float().transpose(0, 1)[None]  # [1, H, Lq, D]
         out[starts[i] : starts[i + 1]] = _attend(q, k, v, mask, scale, softcap)[0].transpose(0, 1)
-    return out
+    return out.to(query.dtype)
