@@ -136,6 +136,41 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ember import LLM, bench
+    from ember.checkpoints import build_checkpoint, default_model_dir
+
+    if args.model:
+        model_dir = args.model
+    else:
+        import torch
+
+        dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+        root = os.path.dirname(default_model_dir())
+        model_dir = build_checkpoint(
+            os.path.join(root, f"{args.shape}-{args.dtype}"),
+            args.shape,
+            dtype=dtype,
+            initializer_range=0.02,
+        )
+    workload = bench.WORKLOADS[args.workload]
+    kwargs = _engine_kwargs(args)
+    kwargs["compile_cache_dir"] = None if args.no_cache else default_compile_cache_dir()
+    t0 = time.perf_counter()
+    llm = LLM(model=model_dir, use_tqdm=False, **kwargs)
+    startup = time.perf_counter() - t0
+    results = [bench.run_ember(llm, workload, args.repeats)]
+    dtype = llm.config.dtype
+    bytes_per_token = bench.decode_bytes_per_token(llm.llm_engine.runner.model)
+    llm.close()
+    if args.compare == "hf":
+        results.append(bench.run_hf(model_dir, dtype, workload, args.repeats))
+    bandwidth = bench.measure_bandwidth_gbs()
+    roofline_ms = bytes_per_token / (bandwidth * 1e9) * 1e3
+    print(bench.format_table(workload, results, startup, bandwidth, roofline_ms))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description="CPU-first LLM inference runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,6 +201,28 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"compile cache dir (default {default_compile_cache_dir()})",
     )
     warm.set_defaults(func=cmd_warmup)
+    bench_p = sub.add_parser("bench", help="run a standard workload (W-THRU, W-LAT)")
+    _add_engine_args(bench_p)
+    bench_p.add_argument("--workload", choices=["thru", "lat"], default="lat")
+    bench_p.add_argument(
+        "--shape",
+        default="llama-160m",
+        help="checkpoint shape to build when no --model is given "
+        "(llama-160m, qwen2-0.5b, or a tiny test shape)",
+    )
+    bench_p.add_argument(
+        "--compare",
+        choices=["hf"],
+        default=None,
+        help="also run HF transformers eager generate in this process",
+    )
+    bench_p.add_argument("--repeats", type=int, default=3)
+    bench_p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="do not use the default compile cache dir (measures cold start)",
+    )
+    bench_p.set_defaults(func=cmd_bench)
     return parser
 
 

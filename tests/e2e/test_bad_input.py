@@ -119,6 +119,28 @@ def _rss_mib() -> float:
     raise RuntimeError("no VmRSS")
 
 
+# Documented in the README: resident memory of an engine beyond its weights and KV cache.
+ENGINE_OVERHEAD_MIB = 256
+
+
+def test_engine_memory_within_weights_kv_and_overhead(checkpoint_dir):
+    import gc
+
+    d = checkpoint_dir("tiny-llama")
+    gc.collect()
+    before = _rss_mib()
+    with LLM(model=d, compile=False, kv_cache_gib=0.5, max_model_len=64) as llm:
+        llm.generate(
+            [{"prompt_token_ids": p} for p in GOOD], SamplingParams(max_tokens=8), use_tqdm=False
+        )
+        weights = sum(
+            p.numel() * p.element_size() for p in llm.llm_engine.runner.model.parameters()
+        )
+        grown = _rss_mib() - before
+    assert grown > 512 * 0.9, "the KV cache is allocated up front"
+    assert grown < 512 + weights / 2**20 + ENGINE_OVERHEAD_MIB, f"grew {grown:.0f} MiB"
+
+
 def test_engine_close_releases_memory_across_five_cycles(checkpoint_dir):
     d = checkpoint_dir("tiny-llama")
     rss = []

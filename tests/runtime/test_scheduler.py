@@ -132,3 +132,19 @@ def test_scheduler_random_workload_keeps_invariants_and_drains():
             break
     assert not sched.has_unfinished_requests()
     assert bm.num_free_blocks == 23
+
+
+def test_scheduler_abort_preempted_and_decoding_requests_frees_everything():
+    sched, bm = _scheduler(num_blocks=7, block_size=4, budget=64, max_model_len=24)
+    sched.add_request(_request("old", list(range(1, 9)), max_tokens=12))
+    sched.add_request(_request("new", list(range(20, 28)), max_tokens=12))
+    while sched.requests["new"].status != RequestStatus.PREEMPTED:
+        plan = sched.schedule()
+        sched.update(plan, _fake_output(plan))
+    assert sched.requests["old"].status == RequestStatus.RUNNING
+    assert len(sched.requests["old"].output_token_ids) > 0  # mid-decode
+    sched.finish_request("new", RequestStatus.FINISHED_ABORTED)  # preempted, waiting again
+    bm.assert_invariants()
+    sched.finish_request("old", RequestStatus.FINISHED_ABORTED)  # mid-decode
+    bm.assert_invariants()
+    assert bm.num_free_blocks == 6 and not sched.has_unfinished_requests()
