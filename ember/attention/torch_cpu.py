@@ -26,14 +26,45 @@ def write_kv(
     )
 
 
+# Gather destinations, reused across calls and layers: a fresh multi-MB tensor per call is
+# page-faulted in every time (measured: index_select of 33 MB, 17.2 ms into a new tensor vs
+# 1.7 ms into a reused one). The op is not reentrant: one engine step runs at a time.
+_scratch: dict[str, torch.Tensor] = {}
+
+
+def _scratch_rows(name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    buf = _scratch.get(name)
+    if buf is None or buf.numel() < rows * cols or buf.dtype != dtype:
+        # A normal tensor, usable both inside and outside inference mode.
+        with torch.inference_mode(False):
+            buf = torch.empty(rows * cols, dtype=dtype)
+        _scratch[name] = buf
+    return buf[: rows * cols].view(rows, cols)
+
+
+def release_scratch() -> None:
+    """Free the gather buffers (called when an engine closes)."""
+    _scratch.clear()
+
+
 def _gather(
     kv_cache: torch.Tensor, tables: torch.Tensor, length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V of `tables [n, num_blocks_used]` as float32 `[n, num_kv_heads, length, head_dim]`."""
+    """K, V of `tables [n, num_blocks_used]` as float32 `[n, num_kv_heads, length, head_dim]`.
+
+    index_select over whole blocks (rows of the flattened cache), not advanced indexing:
+    measured 0.55 vs 1.50 ms for 32 decodes at context 144 (llama-160m heads).
+    """
     n = tables.shape[0]
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    k = kv_cache[0][tables].view(n, -1, num_kv_heads, head_dim)[:, :length]
-    v = kv_cache[1][tables].view(n, -1, num_kv_heads, head_dim)[:, :length]
+    _, num_blocks, _, num_kv_heads, head_dim = kv_cache.shape
+    flat = tables.reshape(-1)
+    row = kv_cache[0].view(num_blocks, -1).shape[1]
+    k = _scratch_rows("k", flat.numel(), row, kv_cache.dtype)
+    v = _scratch_rows("v", flat.numel(), row, kv_cache.dtype)
+    torch.index_select(kv_cache[0].view(num_blocks, -1), 0, flat, out=k)
+    torch.index_select(kv_cache[1].view(num_blocks, -1), 0, flat, out=v)
+    k = k.view(n, -1, num_kv_heads, head_dim)[:, :length]
+    v = v.view(n, -1, num_kv_heads, head_dim)[:, :length]
     return k.transpose(1, 2).float(), v.transpose(1, 2).float()
 
 

@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ember.attention import torch_cpu
 from ember.attention.metadata import AttentionMetadata, build_attention_metadata
 from ember.compiler import cache
 from ember.compiler.capture import capture_forward, compile_forward, kv_geometry
@@ -109,6 +110,7 @@ class ModelRunner:
     def close(self) -> None:
         """Release the KV cache, the forward (and its compiled graphs) and the model."""
         self.kv_caches = []
+        torch_cpu.release_scratch()
         self.forward = None  # type: ignore[assignment]
         self.model = None  # type: ignore[assignment]
         gc.collect()
