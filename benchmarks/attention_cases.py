@@ -64,17 +64,3 @@ def make_case(specs: list[tuple[int, int]], dtype: torch.dtype = torch.float32, 
     )
     kv_bytes = sum(c + n for c, n in specs) * 2 * NUM_KV_HEADS * HEAD_DIM * kv_cache.element_size()
     return args, kv_bytes
-
-
-def measure_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Read bandwidth of this machine: median time to sum a large fp32 tensor."""
-    import time
-
-    x = torch.ones(num_bytes // 4)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
-    return num_bytes / sorted(times)[len(times) // 2] / 1e9

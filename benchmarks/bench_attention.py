@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.attention_cases import CASES, make_case, measure_bandwidth_gbs
+from benchmarks.attention_cases import CASES, make_case
 from ember.attention import ops  # noqa: F401
+from ember.bench import measure_bandwidth_gbs
 
 
 @pytest.fixture(scope="module")

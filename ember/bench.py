@@ -158,9 +158,11 @@ def format_table(
             f"ratio ember/{b.engine}: throughput {a.out_tok_s / b.out_tok_s:.2f}x, "
             f"TTFT {b.ttft_ms / a.ttft_ms:.2f}x faster, TPOT {b.tpot_ms / a.tpot_ms:.2f}x faster"
         )
-    lines.append(
+    line = (
         f"ember start-up {startup_s:.1f} s; memory bandwidth {bandwidth_gbs:.1f} GB/s; "
-        f"batch-1 decode roofline {roofline_ms:.2f} ms/token "
-        f"(ember TPOT at {roofline_ms / results[0].tpot_ms:.0%} of it)"
+        f"batch-1 decode roofline {roofline_ms:.2f} ms/token"
     )
+    if workload.num_requests == 1:  # the roofline is for batch-1 decode
+        line += f" (ember TPOT at {roofline_ms / results[0].tpot_ms:.0%} of it)"
+    lines.append(line)
     return "\n".join(lines)

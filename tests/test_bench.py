@@ -28,3 +28,4 @@ def test_bench_workloads_run_and_report(checkpoint_dir):
     assert "ratio ember/hf-eager" in table and "roofline" in table
     lat = dataclasses.replace(tiny, num_requests=1)
     assert "of it)" in bench.format_table(lat, [ours], 1.0, 20.0, 0.5)
+    assert "of it)" not in table
