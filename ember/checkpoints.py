@@ -21,6 +21,8 @@ from transformers import (
     Qwen2Config,
 )
 
+from ember.runtime.config import user_cache_dir
+
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single
 step. To be or not to be, that is the question. All that glitters is not gold. The early bird
@@ -152,5 +154,4 @@ def build_checkpoint(
 
 def default_model_dir() -> str:
     """Where `ember generate` caches its small default checkpoint."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "ember", "models", "small-llama")
+    return user_cache_dir("models", "small-llama")

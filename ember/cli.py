@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from ember.runtime.buckets import DEFAULT_TOKEN_BUCKETS
+from ember.runtime.config import user_cache_dir
 from ember.runtime.llm import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_KV_CACHE_GIB,
@@ -112,8 +112,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def default_compile_cache_dir() -> str:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "ember", "compile")
+    return user_cache_dir("compile")
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
@@ -138,7 +137,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ember import LLM, bench
-    from ember.checkpoints import build_checkpoint, default_model_dir
+    from ember.checkpoints import build_checkpoint
 
     if args.model:
         model_dir = args.model
@@ -146,9 +145,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         import torch
 
         dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-        root = os.path.dirname(default_model_dir())
         model_dir = build_checkpoint(
-            os.path.join(root, f"{args.shape}-{args.dtype}"),
+            user_cache_dir("models", f"{args.shape}-{args.dtype}"),
             args.shape,
             dtype=dtype,
             initializer_range=0.02,

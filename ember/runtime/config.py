@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -23,6 +24,13 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+
+
+def user_cache_dir(*parts: str) -> str:
+    """`$XDG_CACHE_HOME/ember/...` (default `~/.cache/ember/...`): checkpoints ember builds and
+    compile caches."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "ember", *parts)
 
 
 def _check_range(name: str, value: int | float, low: int | float, high: int | float) -> None:
@@ -148,6 +156,6 @@ class KVCacheSpec:
         block_size: int,
         dtype: torch.dtype,
     ) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * elem
-        return int(kv_cache_gib * (1 << 30)) // per_block
+        """How many blocks of this geometry fit in `kv_cache_gib`."""
+        one = KVCacheSpec(num_layers, num_kv_heads, head_dim, block_size, 1, dtype)
+        return int(kv_cache_gib * (1 << 30)) // one.bytes_per_block

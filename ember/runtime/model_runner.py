@@ -21,7 +21,7 @@ from ember.compiler.capture import capture_forward, compile_forward, kv_geometry
 from ember.compiler.inductor import compile_settings
 from ember.runtime.batch import RunnerOutput, StepPlan
 from ember.runtime.buckets import graph_sizes, is_static, padded_num_seqs, padded_num_tokens
-from ember.runtime.config import EngineConfig, KVCacheSpec
+from ember.runtime.config import EngineConfig
 from ember.runtime.sampler import sample
 
 
@@ -82,9 +82,6 @@ class ModelRunner:
     def __init__(self, model: PreTrainedModel, config: EngineConfig, num_blocks: int) -> None:
         self.config = config
         num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
-        self.kv_spec = KVCacheSpec(
-            num_layers, num_kv_heads, head_dim, config.block_size, num_blocks, config.dtype
-        )
         # Zeros, not empty: attention masks unused slots, and masked NaNs would still poison
         # the weighted sum.
         self.kv_caches = [
