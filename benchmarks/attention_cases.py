@@ -5,6 +5,8 @@ Shapes follow llama-160m's attention (12 heads, 4 KV heads, head_dim 64), fp32 K
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ember.attention.metadata import build_attention_metadata
@@ -24,12 +26,21 @@ CASES: dict[str, list[tuple[int, int]]] = {
 }
 
 
-def make_case(specs: list[tuple[int, int]], dtype: torch.dtype = torch.float32, seed: int = 0):
-    """Random inputs for one op call; returns (args tuple, bytes of KV read by attention)."""
+def make_case(
+    specs: list[tuple[int, int]],
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    layout: Callable[[int, int, int, int], tuple[int, ...]] | None = None,
+):
+    """Random inputs for one op call; returns (args tuple, bytes of KV read by attention).
+
+    `layout(num_blocks, block_size, num_kv_heads, head_dim)` gives the backend's cache shape.
+    """
     g = torch.Generator().manual_seed(seed)
     blocks = [-(-(c + n) // BLOCK_SIZE) for c, n in specs]
     num_blocks = 1 + sum(blocks)
-    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    shape = (layout or (lambda *a: (2, *a)))(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    kv_cache = torch.randn(shape, generator=g).to(dtype)
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
     tables, start = [], 0
     for nb in blocks:

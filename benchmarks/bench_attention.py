@@ -11,8 +11,12 @@ import pytest
 import torch
 
 from benchmarks.attention_cases import CASES, make_case
-from ember.attention import ops  # noqa: F401
+from ember.attention import BackendUnavailableError, select_backend
 from ember.bench import measure_bandwidth_gbs
+
+# Each backend present here. Triton's CPU interpreter is a correctness tool, not a benchmark
+# subject: triton runs only on a GPU.
+BACKENDS = ["torch", "ipex", "triton"]
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +25,16 @@ def bandwidth_gbs() -> float:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def bench_paged_attention_torch(benchmark, bandwidth_gbs, case):
-    args, kv_bytes = make_case(CASES[case])
-    op = torch.ops.ember.paged_attention
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def bench_paged_attention(benchmark, bandwidth_gbs, backend_name, case):
+    if backend_name == "triton" and not torch.cuda.is_available():
+        pytest.skip("triton is benchmarked on GPUs only")
+    try:
+        backend = select_backend(backend_name)
+    except BackendUnavailableError as e:
+        pytest.skip(str(e))
+    op = backend.load_op()
+    args, kv_bytes = make_case(CASES[case], layout=backend.kv_cache_shape)
     benchmark.pedantic(op, args=args, rounds=7, warmup_rounds=1)
     seconds = benchmark.stats.stats.median
     benchmark.extra_info.update(

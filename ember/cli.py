@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ember.attention import BACKEND_NAMES
 from ember.runtime.buckets import DEFAULT_TOKEN_BUCKETS
 from ember.runtime.config import user_cache_dir
 from ember.runtime.llm import (
@@ -48,6 +49,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let inductor fold and prepack weights (not cacheable)",
     )
+    p.add_argument(
+        "--attention-backend",
+        choices=list(BACKEND_NAMES),
+        default="auto",
+        help="paged-attention backend (auto: the fastest usable here)",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -62,6 +69,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         compile=args.compile,
         token_buckets=args.token_buckets,
         freeze_weights=args.freeze_weights,
+        attention_backend=args.attention_backend,
     )
 
 

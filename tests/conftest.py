@@ -9,6 +9,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels (the "triton" attention backend) run in Triton's CPU interpreter here. Triton
+# reads this when it is first imported (torch and transformers may import it), so it is set
+# before anything else; export TRITON_INTERPRET=0 on a GPU machine to run the real kernels.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ember.checkpoints import build_checkpoint  # noqa: E402
 

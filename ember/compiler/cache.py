@@ -35,6 +35,7 @@ def key_parts(
     block_size: int,
     freezing: bool,
     dynamic_graph: bool,
+    attention_backend: str,
 ) -> dict[str, Any]:
     from ember import __version__
 
@@ -51,6 +52,7 @@ def key_parts(
         "dynamic_graph": dynamic_graph,
         "block_size": block_size,
         "freezing": freezing,
+        "attention_backend": attention_backend,
         "torch": torch.__version__,
         "cpu_isa": torch.backends.cpu.get_cpu_capability(),
         "ember": __version__,

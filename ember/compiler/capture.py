@@ -16,7 +16,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from ember.compiler.hf_bridge import ATTN_IMPLEMENTATION
+from ember.attention import AttentionFeatures, get_backend
+from ember.compiler.hf_bridge import register_attention
 
 
 class UnsupportedModelError(ValueError):
@@ -66,15 +67,34 @@ def check_supported(config: PretrainedConfig) -> type[PreTrainedModel]:
     return model_cls
 
 
-def load_causal_lm(model_dir: str, dtype: torch.dtype) -> PreTrainedModel:
-    """Load weights (safetensors, offline) in `dtype`, eval mode, attention routed to ember."""
+def attention_features(config: PretrainedConfig, kv_dtype: torch.dtype) -> AttentionFeatures:
+    """What the model's attention layers need from a backend, read from its config."""
+    _, _, head_dim = kv_geometry(config)
+    layer_types = getattr(config, "layer_types", None) or ()
+    window = getattr(config, "sliding_window", None)
+    sliding = "sliding_attention" in layer_types or bool(
+        window and getattr(config, "use_sliding_window", True)
+    )
+    return AttentionFeatures(
+        head_dims=(head_dim,),
+        kv_dtype=kv_dtype,
+        sliding_window=sliding,
+        softcap=bool(getattr(config, "attn_logit_softcapping", None)),
+        bidirectional=bool(getattr(config, "is_encoder_decoder", False)),
+        kv_sharing=bool(getattr(config, "num_kv_shared_layers", 0)),
+    )
+
+
+def load_causal_lm(model_dir: str, dtype: torch.dtype, backend: str = "torch") -> PreTrainedModel:
+    """Load weights (safetensors, offline) in `dtype`, eval mode, attention routed to `backend`'s
+    paged-attention op."""
     config = load_hf_config(model_dir)
     check_supported(config)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir,
             dtype=dtype,
-            attn_implementation=ATTN_IMPLEMENTATION,
+            attn_implementation=register_attention(get_backend(backend)),
             local_files_only=True,
             use_safetensors=None,
         )

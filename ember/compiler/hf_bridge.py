@@ -7,18 +7,19 @@ The per-step tensors arrive as explicit keyword arguments of the HF forward call
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from transformers import AttentionInterface
 
-from ember.attention import ops  # noqa: F401  (registers torch.ops.ember.*)
+from ember.attention import AttentionBackend
 from ember.attention.metadata import AttentionMetadata
 
-ATTN_IMPLEMENTATION = "ember"
 
-
-def ember_attention_forward(
+def _attention_forward(
+    op: Callable[..., torch.Tensor],
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -38,7 +39,7 @@ def ember_attention_forward(
     meta: AttentionMetadata = kwargs["attn_metadata"]
     kv_cache = kwargs["kv_caches"][module.layer_idx]
     head_dim = query.shape[-1]
-    out = torch.ops.ember.paged_attention(
+    out = op(
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),
         value[0].transpose(0, 1),
@@ -55,4 +56,9 @@ def ember_attention_forward(
     return out[None], None
 
 
-AttentionInterface.register(ATTN_IMPLEMENTATION, ember_attention_forward)
+def register_attention(backend: AttentionBackend) -> str:
+    """Register `backend`'s op in transformers' attention registry; returns the
+    `attn_implementation` name to load a model with ("ember_torch", "ember_triton", ...)."""
+    name = f"ember_{backend.name}"
+    AttentionInterface.register(name, functools.partial(_attention_forward, backend.load_op()))
+    return name

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ember.attention import BACKEND_NAMES
+
 logger = logging.getLogger("ember")
 
 _DTYPES = {
@@ -96,6 +98,7 @@ class EngineConfig:
     freeze_weights: bool = False
     token_buckets: tuple[int, ...] = (1,)
     max_logprobs: int = 20
+    attention_backend: str = "torch"
 
     def __post_init__(self) -> None:
         _check_range("kv_cache_gib", self.kv_cache_gib, 1e-6, 1024)
@@ -125,6 +128,11 @@ class EngineConfig:
             )
         if self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype}")
+        if self.attention_backend not in BACKEND_NAMES[1:]:
+            raise ValueError(
+                f"attention_backend must be one of {BACKEND_NAMES[1:]} once resolved, "
+                f"got {self.attention_backend!r}"
+            )
 
     @property
     def max_blocks_per_seq(self) -> int:

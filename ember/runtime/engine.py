@@ -84,7 +84,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, show_progress: bool = True) -> LLMEngine:
         """Load the model, size the KV cache and compile every bucket before returning."""
-        model = load_causal_lm(config.model, config.dtype)
+        model = load_causal_lm(config.model, config.dtype, config.attention_backend)
         try:
             tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         except (OSError, ValueError, TypeError) as e:

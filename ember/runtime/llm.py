@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ember.compiler.capture import check_supported, load_hf_config
+from ember.attention import select_backend
+from ember.compiler.capture import attention_features, check_supported, load_hf_config
 from ember.runtime.buckets import DEFAULT_TOKEN_BUCKETS
 from ember.runtime.config import EngineConfig, resolve_dtype
 from ember.runtime.engine import LLMEngine, PromptType
@@ -34,12 +35,15 @@ def build_engine_config(
     compile_cache_dir: str | None = None,
     freeze_weights: bool = False,
     token_buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS,
+    attention_backend: str = "auto",
 ) -> EngineConfig:
     """Resolve "auto" values against the checkpoint, then build the frozen config.
 
     token_buckets: token counts that get their own static graph (steps up to the largest are
     padded to a bucket); larger steps share one dynamic graph. freeze_weights: let inductor
-    fold and prepack weights (helps static batched graphs; not cacheable).
+    fold and prepack weights (helps static batched graphs; not cacheable). attention_backend:
+    "auto" (the fastest usable here), "torch", "ipex" or "triton"; a backend that is missing
+    or lacks a feature the model needs fails here, naming the backend and the feature.
     """
     hf_config = load_hf_config(model)
     check_supported(hf_config)
@@ -54,9 +58,11 @@ def build_engine_config(
             f"max_model_len must be <= the model's max_position_embeddings={max_positions}, "
             f"got {max_model_len}"
         )
+    run_dtype = resolve_dtype(dtype, config_dtype)
+    backend = select_backend(attention_backend, attention_features(hf_config, run_dtype))
     return EngineConfig(
         model=model,
-        dtype=resolve_dtype(dtype, config_dtype),
+        dtype=run_dtype,
         kv_cache_gib=kv_cache_gib,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
@@ -67,6 +73,7 @@ def build_engine_config(
         compile_cache_dir=compile_cache_dir,
         freeze_weights=freeze_weights,
         token_buckets=tuple(b for b in token_buckets if b <= max_num_batched_tokens) or (1,),
+        attention_backend=backend.name,
     )
 
 

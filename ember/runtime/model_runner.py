@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ember.attention import torch_cpu
+from ember.attention import get_backend, torch_cpu
 from ember.attention.metadata import AttentionMetadata, build_attention_metadata
 from ember.compiler import cache
 from ember.compiler.capture import capture_forward, compile_forward, kv_geometry
@@ -82,14 +82,12 @@ class ModelRunner:
     def __init__(self, model: PreTrainedModel, config: EngineConfig, num_blocks: int) -> None:
         self.config = config
         num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
+        shape = get_backend(config.attention_backend).kv_cache_shape(
+            num_blocks, config.block_size, num_kv_heads, head_dim
+        )
         # Zeros, not empty: attention masks unused slots, and masked NaNs would still poison
         # the weighted sum.
-        self.kv_caches = [
-            torch.zeros(
-                2, num_blocks, config.block_size, num_kv_heads, head_dim, dtype=config.dtype
-            )
-            for _ in range(num_layers)
-        ]
+        self.kv_caches = [torch.zeros(shape, dtype=config.dtype) for _ in range(num_layers)]
         self.model = model
         self.buckets = config.token_buckets
         self.forward = capture_forward(model)
@@ -162,6 +160,7 @@ class ModelRunner:
             self.config.block_size,
             self.config.freeze_weights,
             len(self.graph_sizes) > len(self.buckets),
+            self.config.attention_backend,
         )
         hit = cache_dir is not None and cache.lookup(cache_dir, parts)
         inductor_dir = cache.inductor_dir(cache_dir, parts) if cache_dir is not None else None

@@ -1,0 +1,104 @@
+"""The attention backend registry: selection, availability, load-time feature errors, and the
+engine running on each available backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from ember.attention import (
+    AttentionFeatures,
+    BackendUnavailableError,
+    get_backend,
+    select_backend,
+    torch_cpu,
+)
+from ember.runtime.llm import build_engine_config
+from tests.attention.test_paged_attention import _run_case, load_backend
+from tests.conftest import hf_greedy, make_prompts
+
+FP32 = AttentionFeatures(head_dims=(64,), kv_dtype=torch.float32)
+
+
+def test_unknown_backend_names_the_choices():
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        select_backend("flash")
+
+
+def test_auto_on_cpu_is_ipex_or_torch():
+    ipex_ok = get_backend("ipex").unavailable() is None
+    assert select_backend("auto", FP32).name == ("ipex" if ipex_ok else "torch")
+
+
+def test_ipex_unavailable_says_why():
+    if get_backend("ipex").unavailable() is None:
+        pytest.skip("IPEX is installed and usable here")
+    with pytest.raises(BackendUnavailableError, match="'ipex' is unavailable: intel_extension"):
+        select_backend("ipex", FP32)
+
+
+def test_triton_without_gpu_or_interpreter_is_unavailable(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(BackendUnavailableError, match="'triton' is unavailable"):
+        select_backend("triton", FP32)
+
+
+@pytest.mark.parametrize(
+    "features, lacking",
+    [
+        (AttentionFeatures((64,), torch.float32, kv_sharing=True), "cross-layer KV sharing"),
+        (AttentionFeatures((64,), torch.float16), "KV cache dtype torch.float16"),
+    ],
+)
+def test_feature_a_backend_lacks_fails_naming_backend_and_feature(features, lacking):
+    with pytest.raises(BackendUnavailableError, match=f"{lacking} is not supported by .*'torch'"):
+        select_backend("torch", features)
+    assert get_backend("ipex").unsupported(
+        AttentionFeatures((64,), torch.float32, softcap=True)
+    ) == ("attention logit soft-capping")
+
+
+def test_model_needing_an_unsupported_feature_fails_at_load(checkpoint_dir):
+    d = checkpoint_dir("tiny-llama", num_kv_shared_layers=1)
+    with pytest.raises(ValueError, match="cross-layer KV sharing is not supported"):
+        build_engine_config(d, dtype="float32", attention_backend="torch")
+    with pytest.raises(ValueError, match="no attention backend can run this model"):
+        build_engine_config(d, dtype="float32")
+
+
+def test_flash_decoding_split_matches_reference(monkeypatch):
+    """Few (decode, K/V head) pairs and a long context: the context is split into partitions
+    merged by log-sum-exp; sliding windows leave some partitions empty."""
+    monkeypatch.setattr(torch_cpu, "_SPLIT_MIN_TOKENS", 8)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert torch_cpu._decode_partitions(1, 64) == 8
+    backend = load_backend("torch")
+    for window in (0, 5, 20):
+        specs = [(63, 1), (40, 1)]
+        out, refs, _ = _run_case(backend, specs, 4, 1, 16, 4, torch.float32, sliding_window=window)
+        torch.testing.assert_close(out, torch.cat(refs), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_engine_on_backend_matches_hf(checkpoint_dir, name):
+    """Mixed prefill/decode batches through the engine on each available backend (eager: the
+    Triton interpreter cannot run inside an inductor graph on CPU)."""
+    load_backend(name)
+    d = checkpoint_dir("tiny-mistral")  # GQA (4 heads, 1 KV head) and a sliding window of 24
+    prompts = make_prompts(3, seed=5, low=5, high=30)
+    llm = LLM(
+        model=d,
+        compile=False,
+        dtype="float32",
+        kv_cache_gib=0.01,
+        max_model_len=64,
+        block_size=4,
+        attention_backend=name,
+    )
+    assert llm.config.attention_backend == name
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(d, prompts, 8)
