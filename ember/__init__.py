@@ -3,12 +3,20 @@
 from ember.runtime.config import EngineConfig
 from ember.runtime.engine import LLMEngine
 from ember.runtime.llm import LLM
-from ember.runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from ember.runtime.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+)
 from ember.runtime.request import SamplingParams
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineConfig",
     "LLMEngine",
     "Logprob",

@@ -119,6 +119,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_embed(args: argparse.Namespace) -> int:
+    import torch
+
+    from ember import LLM
+
+    if not args.model or not args.text:
+        print("ember embed: give --model DIR and at least one TEXT", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, use_tqdm=False, **_engine_kwargs(args))
+    load_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    outs = llm.embed(args.text, use_tqdm=False)
+    embed_s = time.perf_counter() - t1
+    vectors = torch.tensor([o.outputs.embedding for o in outs])
+    norms = vectors.norm(dim=-1)
+    for i, (text, norm) in enumerate(zip(args.text, norms.tolist(), strict=True)):
+        print(f"[{i}] dim={vectors.shape[1]} norm={norm:.4f}  {text!r}")
+    unit = torch.nn.functional.normalize(vectors, dim=-1)
+    cos = unit @ unit.T
+    print("pairwise cosine similarity:")
+    print("      " + " ".join(f"[{j}]".rjust(7) for j in range(len(outs))))
+    for i in range(len(outs)):
+        print(f"[{i}]".ljust(6) + " ".join(f"{c:7.4f}" for c in cos[i].tolist()))
+    print(
+        f"embedded {len(outs)} texts in {embed_s:.3f} s "
+        f"({len(outs) / max(embed_s, 1e-9):.1f} texts/s; load {load_s:.2f} s)"
+    )
+    return 0
+
+
 def default_compile_cache_dir() -> str:
     return user_cache_dir("compile")
 
@@ -195,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="load compiled graphs saved by `ember warmup` from this dir",
     )
     gen.set_defaults(func=cmd_generate)
+    emb = sub.add_parser("embed", help="embed texts; print norms and pairwise cosine similarity")
+    _add_engine_args(emb)
+    emb.add_argument("text", nargs="*", help="texts to embed")
+    emb.set_defaults(func=cmd_embed)
     warm = sub.add_parser(
         "warmup",
         help="compile every shape bucket ahead of time and save "

@@ -67,3 +67,18 @@ def _(
     causal,
 ):
     return torch.empty_like(query)
+
+
+@torch.library.custom_op("ember::write_kv_cache", mutates_args=("kv_cache",))
+def write_kv_cache(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write `key`/`value [num_tokens, num_kv_heads, head_dim]` at `slot_mapping` (layout
+    [2, num_blocks, block_size, num_kv_heads, head_dim]). Used for the cross-attention K/V of
+    encoder-decoder models, computed once per request from the encoder output."""
+    torch_cpu.write_kv(kv_cache, key, value, slot_mapping)
+
+
+@write_kv_cache.register_fake
+def _(kv_cache, key, value, slot_mapping):
+    return None

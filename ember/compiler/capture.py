@@ -7,14 +7,24 @@ in transformers' attention registry. This module is also the one place that will
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_MAPPING_NAMES,
+)
 
 from ember.attention import AttentionFeatures, get_backend
 from ember.compiler.hf_bridge import register_attention
@@ -45,26 +55,31 @@ def load_hf_config(model_dir: str) -> PretrainedConfig:
         ) from e
 
 
-def check_supported(config: PretrainedConfig) -> type[PreTrainedModel]:
-    """Return the causal-LM class for `config`, or raise naming the architecture."""
-    archs = getattr(config, "architectures", None) or [config.model_type]
-    arch = archs[0]
-    causal_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+def model_task(config: PretrainedConfig) -> str:
+    """ "generate" for a causal LM, "embed" for an encoder-only base model (`BertModel`);
+    raises naming the architecture for anything else."""
     declared = getattr(config, "architectures", None)
-    if causal_name is None or (declared and causal_name not in declared):
+    arch = (declared or [config.model_type])[0]
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"architecture {arch!r} is encoder-decoder; not supported yet")
+    causal_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    base_name = MODEL_MAPPING_NAMES.get(config.model_type)
+    if causal_name is not None and (not declared or causal_name in declared):
+        task, auto_cls = "generate", AutoModelForCausalLM
+    elif base_name is not None and declared and base_name in declared:
+        task, auto_cls = "embed", AutoModel
+    else:
         raise UnsupportedModelError(
-            f"architecture {arch!r} (model_type {config.model_type!r}) is not a causal LM "
-            "that ember can capture"
+            f"architecture {arch!r} (model_type {config.model_type!r}) is neither a causal LM "
+            "nor an encoder base model that ember can capture"
         )
-    model_cls: type[PreTrainedModel] = AutoModelForCausalLM._model_mapping[type(config)]  # type: ignore[assignment]
+    model_cls = auto_cls._model_mapping[type(config)]
     if not getattr(model_cls, "_supports_attention_backend", False):
         raise UnsupportedModelError(
             f"architecture {arch!r} does not route attention through transformers' attention "
             "interface, so ember cannot capture it"
         )
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"architecture {arch!r} is encoder-decoder; not supported yet")
-    return model_cls
+    return task
 
 
 def attention_features(config: PretrainedConfig, kv_dtype: torch.dtype) -> AttentionFeatures:
@@ -80,18 +95,18 @@ def attention_features(config: PretrainedConfig, kv_dtype: torch.dtype) -> Atten
         kv_dtype=kv_dtype,
         sliding_window=sliding,
         softcap=bool(getattr(config, "attn_logit_softcapping", None)),
-        bidirectional=bool(getattr(config, "is_encoder_decoder", False)),
+        bidirectional=model_task(config) == "embed",
         kv_sharing=bool(getattr(config, "num_kv_shared_layers", 0)),
     )
 
 
-def load_causal_lm(model_dir: str, dtype: torch.dtype, backend: str = "torch") -> PreTrainedModel:
+def load_model(model_dir: str, dtype: torch.dtype, backend: str = "torch") -> PreTrainedModel:
     """Load weights (safetensors, offline) in `dtype`, eval mode, attention routed to `backend`'s
-    paged-attention op."""
+    paged-attention op: the causal LM, or the encoder base model of an embedding model."""
     config = load_hf_config(model_dir)
-    check_supported(config)
+    auto_cls = AutoModelForCausalLM if model_task(config) == "generate" else AutoModel
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_cls.from_pretrained(
             model_dir,
             dtype=dtype,
             attn_implementation=register_attention(get_backend(backend)),
@@ -110,6 +125,36 @@ def kv_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     return config.num_hidden_layers, num_kv_heads, head_dim
+
+
+def capture_hidden_forward(model: PreTrainedModel) -> Callable[..., Any]:
+    """The forward for pooling: same arguments as `capture_forward`'s, returns the last hidden
+    states [num_tokens, hidden] (after the final norm) of the encoder or the causal LM's base
+    model. `logits_indices` is unused (pooling needs every row)."""
+    base = model.get_decoder() if model_task(model.config) == "generate" else model
+    extra: dict[str, Any] = {}
+    if "token_type_ids" in inspect.signature(base.forward).parameters:
+        extra["token_type_ids"] = 0
+
+    def forward(
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        attn_metadata: Any,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        types = {k: torch.zeros_like(input_ids)[None] for k in extra}
+        out = base(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            attn_metadata=attn_metadata,
+            kv_caches=kv_caches,
+            **types,
+        )
+        return out.last_hidden_state[0]
+
+    return forward
 
 
 def capture_forward(model: PreTrainedModel) -> Callable[..., Any]:

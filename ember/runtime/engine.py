@@ -15,18 +15,21 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ember.compiler.capture import kv_geometry, load_causal_lm
+from ember.compiler.capture import kv_geometry, load_model
 from ember.runtime.batch import TokenLogprobs
 from ember.runtime.block_manager import BlockManager
 from ember.runtime.config import EngineConfig, KVCacheSpec
 from ember.runtime.model_runner import ModelRunner
 from ember.runtime.outputs import (
     CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
     IncrementalDetokenizer,
     Logprob,
     RequestOutput,
     find_stop_string,
 )
+from ember.runtime.pooling import load_pooling_config, pool
 from ember.runtime.request import Request, RequestStatus, SamplingParams
 from ember.runtime.scheduler import Scheduler
 
@@ -66,7 +69,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.model_config = model.config
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator]
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])  # type: ignore[operator]
+        self.pooling = load_pooling_config(config.model, config.task)
         self.eos_token_id = _eos_id(model, tokenizer)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -84,7 +88,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, show_progress: bool = True) -> LLMEngine:
         """Load the model, size the KV cache and compile every bucket before returning."""
-        model = load_causal_lm(config.model, config.dtype, config.attention_backend)
+        model = load_model(config.model, config.dtype, config.attention_backend)
         try:
             tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         except (OSError, ValueError, TypeError) as e:
@@ -140,6 +144,11 @@ class LLMEngine:
         """Queue a request; raises ValueError for bad input, leaving the engine untouched."""
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.config.task != "generate":
+            arch = (getattr(self.model_config, "architectures", None) or ["?"])[0]
+            raise ValueError(
+                f"model {self.config.model!r} ({arch}) is an embedding model: use LLM.embed"
+            )
         text, token_ids = self.tokenize(prompt)
         self._validate_prompt(token_ids, params)
         max_tokens = min(
@@ -268,6 +277,70 @@ class LLMEngine:
 
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
+
+    # ---- embeddings -------------------------------------------------------------------------
+    def embed(
+        self, request_ids: Sequence[str], prompts: Sequence[PromptType]
+    ) -> list[EmbeddingRequestOutput]:
+        """One pooled, (by default) L2-normalised embedding per prompt, in input order.
+
+        Prompts run whole (no chunking: encoder attention is bidirectional), batched up to
+        max_num_seqs / max_num_batched_tokens and the free KV blocks; their blocks are freed
+        after each batch. Raises ValueError naming the prompt and the limit for bad input,
+        before any work.
+        """
+        limit = min(self.config.max_model_len, self.config.max_num_batched_tokens)
+        items = []
+        for i, (rid, prompt) in enumerate(zip(request_ids, prompts, strict=True)):
+            text, ids = self.tokenize(prompt)
+            if not ids:
+                raise ValueError(f"prompt {i} is empty: it must have at least 1 token")
+            if len(ids) > limit:
+                raise ValueError(
+                    f"prompt {i} has {len(ids)} tokens; embedding inputs must have at most "
+                    f"min(max_model_len, max_num_batched_tokens)={limit}"
+                )
+            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"prompt {i}: token ids must be in [0, {self.vocab_size})")
+            items.append((rid, text, ids))
+        # Encoder blocks must never be matched by a causal prefix: hash them apart.
+        extra = b"" if self.config.task == "generate" else b"bidirectional"
+        bs = self.config.block_size
+        outputs: list[EmbeddingRequestOutput] = []
+        start = 0
+        while start < len(items):
+            end, tokens, blocks = start, 0, 0
+            while end < len(items) and end - start < self.config.max_num_seqs:
+                n = len(items[end][2])
+                if end > start and (
+                    tokens + n > self.config.max_num_batched_tokens
+                    or blocks + -(-n // bs) > self.block_manager.num_free_blocks
+                ):
+                    break
+                tokens, blocks, end = tokens + n, blocks + -(-n // bs), end + 1
+            batch = items[start:end]
+            keys = [f"embed-{rid}" for rid, _, _ in batch]
+            try:
+                block_ids = []
+                for key, (_, _, ids) in zip(keys, batch, strict=True):
+                    if self.block_manager.allocate(key, ids, len(ids), extra=extra) is None:
+                        raise ValueError(
+                            f"a {len(ids)}-token prompt does not fit the free KV cache "
+                            f"({self.block_manager.num_free_blocks} blocks of {bs}); raise "
+                            "kv_cache_gib"
+                        )
+                    block_ids.append(self.block_manager.block_ids(key))
+                hidden = self.runner.hidden_states([ids for _, _, ids in batch], block_ids)
+            finally:
+                for key in keys:
+                    self.block_manager.free(key)
+            vectors = pool(hidden, [len(ids) for _, _, ids in batch], self.pooling)
+            for (rid, text, ids), vec in zip(batch, vectors, strict=True):
+                outputs.append(
+                    EmbeddingRequestOutput(rid, text, ids, EmbeddingOutput(vec.tolist()))
+                )
+            start = end
+        return outputs
 
     def close(self) -> None:
         """Abort all requests and drop the KV cache, the compiled graphs and the model."""

@@ -9,11 +9,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ember.attention import select_backend
-from ember.compiler.capture import attention_features, check_supported, load_hf_config
+from ember.compiler.capture import attention_features, load_hf_config, model_task
 from ember.runtime.buckets import DEFAULT_TOKEN_BUCKETS
 from ember.runtime.config import EngineConfig, resolve_dtype
 from ember.runtime.engine import LLMEngine, PromptType
-from ember.runtime.outputs import RequestOutput
+from ember.runtime.outputs import EmbeddingRequestOutput, RequestOutput
+from ember.runtime.pooling import max_seq_length
 from ember.runtime.request import SamplingParams
 
 DEFAULT_KV_CACHE_GIB = 4.0
@@ -46,11 +47,14 @@ def build_engine_config(
     or lacks a feature the model needs fails here, naming the backend and the feature.
     """
     hf_config = load_hf_config(model)
-    check_supported(hf_config)
+    task = model_task(hf_config)
     config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(config_dtype, str):
         config_dtype = getattr(torch, config_dtype, None)
     max_positions = getattr(hf_config, "max_position_embeddings", None) or 1 << 16
+    if task == "embed":
+        # sentence-transformers' own input limit, when it ships one (all-MiniLM-L6-v2: 256).
+        max_positions = min(max_positions, max_seq_length(model) or max_positions)
     if max_model_len is None:
         max_model_len = max_positions
     elif isinstance(max_model_len, int) and max_model_len > max_positions:
@@ -74,6 +78,7 @@ def build_engine_config(
         freeze_weights=freeze_weights,
         token_buckets=tuple(b for b in token_buckets if b <= max_num_batched_tokens) or (1,),
         attention_backend=backend.name,
+        task=task,
     )
 
 
@@ -139,6 +144,29 @@ class LLM:
                 self.llm_engine.abort_request(request_id)
             raise
         return self._run(ids, use_tqdm, rejected)
+
+    def embed(
+        self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`out.outputs.embedding`, a list of floats), input order.
+
+        Encoder models (`BertModel`) pool as their sentence-transformers config says (else
+        mean); causal LMs pool their last token. Raises ValueError for bad input before any
+        work.
+        """
+        prompt_list: list[PromptType] = (
+            [prompts] if isinstance(prompts, (str, dict)) else list(prompts)  # type: ignore[arg-type]
+        )
+        ids = [str(self._counter + i) for i in range(len(prompt_list))]
+        self._counter += len(prompt_list)
+        start = time.perf_counter()
+        with tqdm(
+            total=len(ids), desc="Embedding", unit="req", disable=not use_tqdm, dynamic_ncols=True
+        ) as bar:
+            outs = self.llm_engine.embed(ids, prompt_list)
+            bar.update(len(outs))
+            bar.set_postfix_str(f"{len(outs) / max(time.perf_counter() - start, 1e-9):.1f} req/s")
+        return outs
 
     def _run(
         self, ids: list[str], use_tqdm: bool, finished: dict[str, RequestOutput]

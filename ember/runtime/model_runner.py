@@ -8,6 +8,7 @@ of prefills and decodes; padding tokens write into the reserved null block and a
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,12 @@ from transformers import PreTrainedModel
 from ember.attention import get_backend, torch_cpu
 from ember.attention.metadata import AttentionMetadata, build_attention_metadata
 from ember.compiler import cache
-from ember.compiler.capture import capture_forward, compile_forward, kv_geometry
+from ember.compiler.capture import (
+    capture_forward,
+    capture_hidden_forward,
+    compile_forward,
+    kv_geometry,
+)
 from ember.compiler.inductor import compile_settings
 from ember.runtime.batch import RunnerOutput, StepPlan
 from ember.runtime.buckets import graph_sizes, is_static, padded_num_seqs, padded_num_tokens
@@ -90,7 +96,12 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=config.dtype) for _ in range(num_layers)]
         self.model = model
         self.buckets = config.token_buckets
-        self.forward = capture_forward(model)
+        # The main forward: logits for a causal LM; hidden states for an embedding model.
+        if config.task == "generate":
+            self.forward = capture_forward(model)
+        else:
+            self.forward = capture_hidden_forward(model)
+        self._eager_hidden: Callable[..., torch.Tensor] | None = None
         if config.compile:
             # The cache size is a dynamic dim, so graphs do not depend on kv_cache_gib.
             for kv in self.kv_caches:
@@ -107,6 +118,7 @@ class ModelRunner:
         self.kv_caches = []
         torch_cpu.release_scratch()
         self.forward = None  # type: ignore[assignment]
+        self._eager_hidden = None
         self.model = None  # type: ignore[assignment]
         gc.collect()
 
@@ -119,16 +131,51 @@ class ModelRunner:
             padded_num_seqs(plan.num_seqs),
         )
 
-    def _run(self, batch: ForwardBatch) -> torch.Tensor:
-        if self.config.compile:
+    def _run(
+        self, batch: ForwardBatch, forward: Callable[..., torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        if forward is None and self.config.compile:
             _mark_dynamic(batch, not is_static(batch.input_ids.shape[0], self.buckets))
-        return self.forward(
+        return (forward or self.forward)(
             batch.input_ids,
             batch.positions,
             batch.logits_indices,
             batch.attn_metadata,
             self.kv_caches,
         )
+
+    @torch.inference_mode()
+    def hidden_states(self, token_ids: list[list[int]], block_ids: list[list[int]]) -> torch.Tensor:
+        """Last hidden states [sum(len), hidden] of whole prompts laid end to end, each written
+        to its `block_ids` (one pass, no chunking: an encoder's attention is bidirectional).
+
+        Embedding models run their compiled graphs; a causal LM's base model runs eagerly (its
+        compiled graphs produce logits).
+        """
+        lens = [len(t) for t in token_ids]
+        num_tokens = sum(lens)
+        padded_seqs = padded_num_seqs(len(lens))
+        forward = None
+        if self.config.task == "embed":
+            padded_tokens = padded_num_tokens(num_tokens, self.buckets)
+        else:
+            padded_tokens = num_tokens
+            if self._eager_hidden is None:
+                self._eager_hidden = capture_hidden_forward(self.model)
+            forward = self._eager_hidden
+        meta, positions = build_attention_metadata(
+            [0] * len(lens),
+            lens,
+            [tuple(b) for b in block_ids],
+            self.config.block_size,
+            self.config.max_blocks_per_seq,
+            padded_tokens,
+            padded_seqs,
+        )
+        input_ids = torch.zeros(padded_tokens, dtype=torch.long)
+        input_ids[:num_tokens] = torch.tensor([t for ids in token_ids for t in ids])
+        batch = ForwardBatch(input_ids, positions, meta, torch.zeros(padded_seqs, dtype=torch.long))
+        return self._run(batch, forward)[:num_tokens]
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> RunnerOutput:

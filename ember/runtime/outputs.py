@@ -40,6 +40,22 @@ class RequestOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's `PoolingRequestOutput` for the embed task: `.outputs.embedding`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
 class IncrementalDetokenizer:
     """Decodes new tokens without re-decoding the whole output each step.
 

