@@ -18,12 +18,19 @@ class AttentionMetadata:
     block_tables     [num_seqs, max_blocks]  block ids per sequence, padded with the null block
     Padding tokens map to slots of the null block; padding sequences have no tokens and
     seq_len 0.
+
+    Encoder-decoder models also carry the cross-attention context of each sequence (the
+    encoder output's K/V, written once per request):
+    cross_seq_lens    [num_seqs]        encoder length per sequence (0 for padding)
+    cross_block_tables [num_seqs, max_cross_blocks]
     """
 
     slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
+    cross_seq_lens: torch.Tensor | None = None
+    cross_block_tables: torch.Tensor | None = None
 
 
 def build_attention_metadata(
@@ -34,8 +41,12 @@ def build_attention_metadata(
     max_blocks: int,
     num_tokens_padded: int,
     num_seqs_padded: int,
+    cross_lens: list[int] | None = None,
+    cross_tables: list[tuple[int, ...]] | None = None,
+    max_cross_blocks: int = 0,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Build metadata and `positions [num_tokens_padded]` for sequences laid end to end."""
+    """Build metadata and `positions [num_tokens_padded]` for sequences laid end to end
+    (with `cross_lens`/`cross_tables`: the encoder context of each sequence)."""
     num_seqs = len(num_new)
     num_tokens = sum(num_new)
     positions = np.zeros(num_tokens_padded, dtype=np.int64)
@@ -56,10 +67,19 @@ def build_attention_metadata(
         start += n
     # Padding tokens write round-robin into the null block (block 0).
     slots[num_tokens:] = np.arange(num_tokens_padded - num_tokens) % block_size
+    cross_seq_lens = cross_block_tables = None
+    if cross_lens is not None and cross_tables is not None:
+        cross_seq_lens = torch.zeros(num_seqs_padded, dtype=torch.int32)
+        cross_seq_lens[:num_seqs] = torch.tensor(cross_lens, dtype=torch.int32)
+        cross_block_tables = torch.zeros(num_seqs_padded, max_cross_blocks, dtype=torch.int32)
+        for i, table in enumerate(cross_tables):
+            cross_block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(slots),
         query_start_loc=torch.from_numpy(qsl),
         seq_lens=torch.from_numpy(seq_lens),
         block_tables=torch.from_numpy(tables),
+        cross_seq_lens=cross_seq_lens,
+        cross_block_tables=cross_block_tables,
     )
     return meta, torch.from_numpy(positions)

@@ -39,6 +39,25 @@ def _attention_forward(
     meta: AttentionMetadata = kwargs["attn_metadata"]
     kv_cache = kwargs["kv_caches"][module.layer_idx]
     head_dim = query.shape[-1]
+    if getattr(module, "_ember_cross_attention", False):
+        # Cross-attention: K/V of the encoder output were written once per request (see
+        # `ember.compiler.capture.capture_encoder_forward`); the HF module's own key/value
+        # (of a 1-row placeholder) are ignored, and nothing is written.
+        out = op(
+            query[0].transpose(0, 1),
+            key[0, :, :0].transpose(0, 1),
+            value[0, :, :0].transpose(0, 1),
+            kv_cache,
+            meta.slot_mapping[:0],
+            meta.query_start_loc,
+            meta.cross_seq_lens,
+            meta.cross_block_tables,
+            float(scaling if scaling is not None else head_dim**-0.5),
+            0,
+            0.0,
+            False,
+        )
+        return out[None], None
     out = op(
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),

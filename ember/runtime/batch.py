@@ -27,6 +27,11 @@ class ScheduledRequest:
     generator: torch.Generator
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]
+    # Encoder-decoder only: the encoder input (set on the step that must run the encoder),
+    # the blocks holding the cross-attention K/V, and the encoder length.
+    encoder_token_ids: tuple[int, ...] = ()
+    cross_block_ids: tuple[int, ...] = ()
+    num_encoder_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:

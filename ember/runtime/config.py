@@ -99,7 +99,8 @@ class EngineConfig:
     token_buckets: tuple[int, ...] = (1,)
     max_logprobs: int = 20
     attention_backend: str = "torch"
-    # "generate" (causal LM) or "embed" (encoder-only model: `LLM.embed` only)
+    # "generate" (causal LM), "encdec" (encoder-decoder LM) or "embed" (encoder-only model:
+    # `LLM.embed` only)
     task: str = "generate"
 
     def __post_init__(self) -> None:

@@ -126,6 +126,44 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"prompt must be a string, a token-id list or a dict, got {type(prompt)}")
 
+    def _tokenize_encoder_decoder(
+        self, prompt: PromptType
+    ) -> tuple[str | None, list[int], list[int]]:
+        """(encoder text, decoder prompt ids, encoder ids) of an encoder-decoder prompt.
+
+        A string / token list / `{"prompt": ...}` is the encoder input; or
+        `{"encoder_prompt": ..., "decoder_prompt": ...}` with either part a string, a token list
+        or `{"prompt_token_ids": [...]}`. The decoder prompt always starts with the model's
+        decoder_start_token_id; a text decoder prompt is tokenized without special tokens.
+        """
+        decoder: Any = None
+        if isinstance(prompt, dict) and "encoder_prompt" in prompt:
+            encoder, decoder = prompt["encoder_prompt"], prompt.get("decoder_prompt")
+        else:
+            encoder = prompt
+        text, encoder_ids = self.tokenize(encoder)
+        start = getattr(self.model_config, "decoder_start_token_id", None)
+        if start is None:
+            raise ValueError(f"model {self.config.model!r} has no decoder_start_token_id")
+        decoder_ids = [int(start)]
+        if isinstance(decoder, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompt_token_ids")
+            decoder_ids += list(self.tokenizer(decoder, add_special_tokens=False)["input_ids"])
+        elif decoder is not None:
+            decoder_ids += self.tokenize(decoder)[1]
+        limit = self.model_config.max_position_embeddings
+        if not encoder_ids:
+            raise ValueError("encoder prompt is empty: it must have at least 1 token")
+        if len(encoder_ids) > limit:
+            raise ValueError(
+                f"encoder prompt has {len(encoder_ids)} tokens; it must have at most "
+                f"max_position_embeddings={limit}"
+            )
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in encoder_ids):
+            raise ValueError(f"encoder prompt token ids must be in [0, {self.vocab_size})")
+        return text, decoder_ids, encoder_ids
+
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("prompt is empty: it must have at least 1 token")
@@ -144,12 +182,16 @@ class LLMEngine:
         """Queue a request; raises ValueError for bad input, leaving the engine untouched."""
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if self.config.task != "generate":
+        if self.config.task == "embed":
             arch = (getattr(self.model_config, "architectures", None) or ["?"])[0]
             raise ValueError(
                 f"model {self.config.model!r} ({arch}) is an embedding model: use LLM.embed"
             )
-        text, token_ids = self.tokenize(prompt)
+        encoder_ids = None
+        if self.config.task == "encdec":
+            text, token_ids, encoder_ids = self._tokenize_encoder_decoder(prompt)
+        else:
+            text, token_ids = self.tokenize(prompt)
         self._validate_prompt(token_ids, params)
         max_tokens = min(
             params.max_tokens or self.config.max_model_len,
@@ -171,7 +213,15 @@ class LLMEngine:
         )
         for i, cid in enumerate(child_ids):
             generator = torch.Generator().manual_seed(base_seed + i)
-            request = Request(cid, token_ids, params, self.eos_token_id, max_tokens, generator)
+            request = Request(
+                cid,
+                token_ids,
+                params,
+                self.eos_token_id,
+                max_tokens,
+                generator,
+                encoder_token_ids=encoder_ids,
+            )
             self.scheduler.add_request(request)
             self._child_to_parent[cid] = (request_id, i)
         self._parents[request_id] = parent
@@ -289,6 +339,10 @@ class LLMEngine:
         after each batch. Raises ValueError naming the prompt and the limit for bad input,
         before any work.
         """
+        if self.config.task == "encdec":
+            raise ValueError(
+                "LLM.embed needs an encoder-only or causal model; this one is encoder-decoder"
+            )
         limit = min(self.config.max_model_len, self.config.max_num_batched_tokens)
         items = []
         for i, (rid, prompt) in enumerate(zip(request_ids, prompts, strict=True)):

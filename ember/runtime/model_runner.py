@@ -19,6 +19,7 @@ from ember.attention import get_backend, torch_cpu
 from ember.attention.metadata import AttentionMetadata, build_attention_metadata
 from ember.compiler import cache
 from ember.compiler.capture import (
+    capture_encoder_forward,
     capture_forward,
     capture_hidden_forward,
     compile_forward,
@@ -46,11 +47,24 @@ class ForwardBatch:
 
 
 def build_forward_batch(
-    plan: StepPlan, block_size: int, max_blocks: int, num_tokens_padded: int, num_seqs_padded: int
+    plan: StepPlan,
+    block_size: int,
+    max_blocks: int,
+    num_tokens_padded: int,
+    num_seqs_padded: int,
+    max_cross_blocks: int = 0,
 ) -> ForwardBatch:
-    """Lay the plan's requests end to end in one token stream, padded to the given sizes."""
+    """Lay the plan's requests end to end in one token stream, padded to the given sizes.
+    `max_cross_blocks` > 0: an encoder-decoder step, with each request's cross context."""
     reqs = plan.requests
     num_new = [r.num_new_tokens for r in reqs]
+    cross: dict = {}
+    if max_cross_blocks:
+        cross = dict(
+            cross_lens=[r.num_encoder_tokens for r in reqs],
+            cross_tables=[r.cross_block_ids for r in reqs],
+            max_cross_blocks=max_cross_blocks,
+        )
     meta, positions = build_attention_metadata(
         num_computed=[r.num_computed_tokens for r in reqs],
         num_new=num_new,
@@ -59,6 +73,7 @@ def build_forward_batch(
         max_blocks=max_blocks,
         num_tokens_padded=num_tokens_padded,
         num_seqs_padded=num_seqs_padded,
+        **cross,
     )
     input_ids = torch.zeros(num_tokens_padded, dtype=torch.long)
     input_ids[: plan.num_tokens] = torch.tensor(
@@ -75,8 +90,12 @@ def _mark_dynamic(batch: ForwardBatch, dynamic_tokens: bool) -> None:
     meta = batch.attn_metadata
     for t in (meta.query_start_loc, meta.seq_lens, batch.logits_indices):
         torch._dynamo.mark_dynamic(t, 0)
-    torch._dynamo.mark_dynamic(meta.block_tables, 0)
-    torch._dynamo.mark_dynamic(meta.block_tables, 1)
+    for tables in (meta.block_tables, meta.cross_block_tables):
+        if tables is not None:
+            torch._dynamo.mark_dynamic(tables, 0)
+            torch._dynamo.mark_dynamic(tables, 1)
+    if meta.cross_seq_lens is not None:
+        torch._dynamo.mark_dynamic(meta.cross_seq_lens, 0)
     if dynamic_tokens:
         for t in (batch.input_ids, batch.positions, meta.slot_mapping):
             torch._dynamo.mark_dynamic(t, 0)
@@ -96,17 +115,26 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=config.dtype) for _ in range(num_layers)]
         self.model = model
         self.buckets = config.token_buckets
-        # The main forward: logits for a causal LM; hidden states for an embedding model.
-        if config.task == "generate":
-            self.forward = capture_forward(model)
-        else:
+        # The main forward: logits for a (causal or encoder-decoder) LM; hidden states for an
+        # embedding model. Encoder-decoder models also get the encoder pass.
+        if config.task == "embed":
             self.forward = capture_hidden_forward(model)
+        else:
+            self.forward = capture_forward(model)
+        self.encoder_forward: Callable[..., torch.Tensor] | None = None
+        self.max_cross_blocks = 0
+        if config.task == "encdec":
+            self.encoder_forward = capture_encoder_forward(model)
+            max_source = model.config.max_position_embeddings
+            self.max_cross_blocks = -(-max_source // config.block_size)
         self._eager_hidden: Callable[..., torch.Tensor] | None = None
         if config.compile:
             # The cache size is a dynamic dim, so graphs do not depend on kv_cache_gib.
             for kv in self.kv_caches:
                 torch._dynamo.mark_dynamic(kv, 1)
             self.forward = compile_forward(self.forward)
+            if self.encoder_forward is not None:
+                self.encoder_forward = compile_forward(self.encoder_forward)
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:
@@ -129,7 +157,32 @@ class ModelRunner:
             self.config.max_blocks_per_seq,
             padded_num_tokens(plan.num_tokens, self.buckets),
             padded_num_seqs(plan.num_seqs),
+            self.max_cross_blocks,
         )
+
+    def run_encoders(self, requests: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> torch.Tensor:
+        """Encoder pass over `(encoder_token_ids, cross_block_ids)` of requests admitted this
+        step: fills their cross blocks with every decoder layer's cross-attention K/V. Returns
+        the encoder output [num_tokens, d] (padding rows dropped)."""
+        lens = [len(ids) for ids, _ in requests]
+        num_tokens = sum(lens)
+        padded_tokens = padded_num_tokens(num_tokens, self.buckets)
+        meta, positions = build_attention_metadata(
+            [0] * len(lens),
+            lens,
+            [blocks for _, blocks in requests],
+            self.config.block_size,
+            self.max_cross_blocks,
+            padded_tokens,
+            padded_num_seqs(len(lens)),
+        )
+        input_ids = torch.zeros(padded_tokens, dtype=torch.long)
+        input_ids[:num_tokens] = torch.tensor([t for ids, _ in requests for t in ids])
+        batch = ForwardBatch(input_ids, positions, meta, meta.seq_lens)
+        if self.config.compile:
+            _mark_dynamic(batch, not is_static(padded_tokens, self.buckets))
+        assert self.encoder_forward is not None
+        return self.encoder_forward(input_ids, positions, meta, self.kv_caches)[:num_tokens]
 
     def _run(
         self, batch: ForwardBatch, forward: Callable[..., torch.Tensor] | None = None
@@ -177,8 +230,27 @@ class ModelRunner:
         batch = ForwardBatch(input_ids, positions, meta, torch.zeros(padded_seqs, dtype=torch.long))
         return self._run(batch, forward)[:num_tokens]
 
+    def _encode_admitted(self, plan: StepPlan) -> None:
+        """Run the encoder for requests admitted this step, in groups within the token budget
+        (an encoder input longer than the budget runs alone: encoders are not chunked)."""
+        group: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        size = 0
+        for r in plan.requests:
+            if not r.encoder_token_ids:
+                continue
+            n = len(r.encoder_token_ids)
+            if group and size + n > self.config.max_num_batched_tokens:
+                self.run_encoders(group)
+                group, size = [], 0
+            group.append((r.encoder_token_ids, r.cross_block_ids))
+            size += n
+        if group:
+            self.run_encoders(group)
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> RunnerOutput:
+        if self.encoder_forward is not None:
+            self._encode_admitted(plan)
         logits = self._run(self.prepare(plan))  # [num_seqs_padded, vocab]
         rows = [i for i, r in enumerate(plan.requests) if r.sample]
         if not rows:
@@ -220,9 +292,23 @@ class ModelRunner:
                 dynamic_ncols=True,
             ):
                 self._run(self._dummy_batch(num_tokens))
+                if self.encoder_forward is not None:
+                    self.run_encoders(self._dummy_encoder_inputs(num_tokens))
         if cache_dir is not None and not hit:
             cache.mark_complete(cache_dir, parts)
         return hit
+
+    def _dummy_encoder_inputs(
+        self, num_tokens: int
+    ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Encoder inputs totalling `num_tokens`, each within the encoder's positions, all in
+        the null block."""
+        bs = self.config.block_size
+        chunk = self.model.config.max_position_embeddings
+        sizes = [chunk] * (num_tokens // chunk) + (
+            [num_tokens % chunk] if num_tokens % chunk else []
+        )
+        return [((0,) * n, (0,) * -(-n // bs)) for n in sizes]
 
     def _dummy_batch(self, num_tokens: int) -> ForwardBatch:
         """Prefills totalling `num_tokens`, each within max_model_len, all in the null block."""
@@ -232,6 +318,13 @@ class ModelRunner:
             [num_tokens % chunk] if num_tokens % chunk else []
         )
         num_seqs = padded_num_seqs(len(num_new))
+        cross: dict = {}
+        if self.max_cross_blocks:
+            cross = dict(
+                cross_lens=[1] * len(num_new),
+                cross_tables=[(0,)] * len(num_new),
+                max_cross_blocks=self.max_cross_blocks,
+            )
         meta, positions = build_attention_metadata(
             [0] * len(num_new),
             num_new,
@@ -240,6 +333,7 @@ class ModelRunner:
             max_blocks,
             num_tokens,
             num_seqs,
+            **cross,
         )
         logits_indices = torch.zeros(num_seqs, dtype=torch.long)
         return ForwardBatch(

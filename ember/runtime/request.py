@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -125,10 +126,18 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    # Encoder-decoder models: the encoder input, run once per admission; its cross-attention
+    # K/V live in blocks of their own. Prefix-cache keys of the decoder tokens include it.
+    encoder_token_ids: list[int] | None = None
     all_token_ids: list[int] = field(init=False)
+    cache_salt: bytes = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.cache_salt = b""
+        if self.encoder_token_ids is not None:
+            ids = ",".join(map(str, self.encoder_token_ids)).encode()
+            self.cache_salt = hashlib.sha256(b"encoder:" + ids).digest()
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

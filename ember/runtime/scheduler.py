@@ -16,6 +16,11 @@ from ember.runtime.block_manager import BlockManager
 from ember.runtime.request import Request, RequestStatus
 
 
+def cross_key(request_id: str) -> str:
+    """Block-manager key of a request's cross-attention (encoder output) blocks."""
+    return request_id + "/cross"
+
+
 class Scheduler:
     """Owns request state transitions. The only writer of `Request` fields."""
 
@@ -39,9 +44,14 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        max_blocks = -(-self.max_model_len // self.block_manager.block_size)
+        bs = self.block_manager.block_size
+        max_blocks = -(-self.max_model_len // bs)
+        if request.encoder_token_ids is not None:
+            max_blocks += -(-len(request.encoder_token_ids) // bs)
         if max_blocks > self.block_manager.num_usable_blocks:
-            raise ValueError("the KV cache is smaller than one max_model_len sequence")
+            raise ValueError(
+                "the KV cache is smaller than one max_model_len sequence (plus its encoder input)"
+            )
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -55,8 +65,13 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.status = status
-        self.block_manager.free(request_id)
+        self._free_blocks(request)
         return request
+
+    def _free_blocks(self, request: Request, keep_hashes: bool = False) -> None:
+        self.block_manager.free(request.request_id, keep_hashes=keep_hashes)
+        if request.encoder_token_ids is not None:
+            self.block_manager.free(cross_key(request.request_id))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -83,9 +98,14 @@ class Scheduler:
                 scheduled.append((request, num_new))
                 done.add(request.request_id)
                 budget -= num_new
+        num_running = len(scheduled)
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
-        return StepPlan(tuple(self._scheduled(r, n) for r, n in scheduled), tuple(preempted))
+        # Requests admitted this step run their encoder (if any) before the decoder step.
+        return StepPlan(
+            tuple(self._scheduled(r, n, i >= num_running) for i, (r, n) in enumerate(scheduled)),
+            tuple(preempted),
+        )
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, done: set[str], preempted: list[str]
@@ -93,7 +113,9 @@ class Scheduler:
         total = request.num_computed_tokens + num_new
         while True:
             if (
-                self.block_manager.allocate(request.request_id, request.all_token_ids, total)
+                self.block_manager.allocate(
+                    request.request_id, request.all_token_ids, total, extra=request.cache_salt
+                )
                 is not None
             ):
                 return True
@@ -105,7 +127,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.block_manager.free(request.request_id, keep_hashes=True)
+        self._free_blocks(request, keep_hashes=True)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -115,11 +137,19 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            rid, tokens = request.request_id, request.all_token_ids
-            hits = self.block_manager.match_prefix(rid, tokens)
+            rid, tokens, salt = request.request_id, request.all_token_ids, request.cache_salt
+            enc = request.encoder_token_ids
+            if enc is not None and (
+                self.block_manager.allocate(cross_key(rid), enc, len(enc), extra=rid.encode())
+                is None
+            ):
+                break
+            hits = self.block_manager.match_prefix(rid, tokens, salt)
             num_hit = len(hits) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_hit, budget)
-            if self.block_manager.allocate(rid, tokens, num_hit + num_new, hits) is None:
+            if self.block_manager.allocate(rid, tokens, num_hit + num_new, hits, salt) is None:
+                if enc is not None:
+                    self.block_manager.free(cross_key(rid))
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_hit
@@ -131,8 +161,16 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int, admitted: bool) -> ScheduledRequest:
         start = request.num_computed_tokens
+        enc = request.encoder_token_ids
+        cross = {}
+        if enc is not None:
+            cross = dict(
+                encoder_token_ids=tuple(enc) if admitted else (),
+                cross_block_ids=tuple(self.block_manager.block_ids(cross_key(request.request_id))),
+                num_encoder_tokens=len(enc),
+            )
         return ScheduledRequest(
             request_id=request.request_id,
             num_computed_tokens=start,
@@ -143,6 +181,7 @@ class Scheduler:
             generator=request.generator,
             prompt_token_ids=tuple(request.prompt_token_ids),
             output_token_ids=tuple(request.output_token_ids),
+            **cross,
         )
 
     def update(self, plan: StepPlan, output: RunnerOutput) -> tuple[list[Request], list[Request]]:
