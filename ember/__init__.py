@@ -1,5 +1,6 @@
 """ember: a CPU-first LLM inference runtime built on torch.compile."""
 
+from ember.lora.adapter import LoRARequest
 from ember.runtime.config import EngineConfig
 from ember.runtime.engine import LLMEngine
 from ember.runtime.llm import LLM
@@ -19,6 +20,7 @@ __all__ = [
     "EmbeddingRequestOutput",
     "EngineConfig",
     "LLMEngine",
+    "LoRARequest",
     "Logprob",
     "RequestOutput",
     "SamplingParams",

@@ -36,6 +36,7 @@ def key_parts(
     freezing: bool,
     dynamic_graph: bool,
     attention_backend: str,
+    lora: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     from ember import __version__
 
@@ -53,6 +54,7 @@ def key_parts(
         "block_size": block_size,
         "freezing": freezing,
         "attention_backend": attention_backend,
+        "lora": list(lora) if lora else None,
         "torch": torch.__version__,
         "cpu_isa": torch.backends.cpu.get_cpu_capability(),
         "ember": __version__,

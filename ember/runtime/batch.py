@@ -32,6 +32,7 @@ class ScheduledRequest:
     encoder_token_ids: tuple[int, ...] = ()
     cross_block_ids: tuple[int, ...] = ()
     num_encoder_tokens: int = 0
+    lora_id: int | None = None
 
     @property
     def num_new_tokens(self) -> int:

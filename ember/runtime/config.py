@@ -102,6 +102,9 @@ class EngineConfig:
     # "generate" (causal LM), "encdec" (encoder-decoder LM) or "embed" (encoder-only model:
     # `LLM.embed` only)
     task: str = "generate"
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         _check_range("kv_cache_gib", self.kv_cache_gib, 1e-6, 1024)
@@ -131,6 +134,15 @@ class EngineConfig:
             )
         if self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype}")
+        _check_range("max_loras", self.max_loras, 1, 64)
+        _check_range("max_lora_rank", self.max_lora_rank, 1, 512)
+        if self.enable_lora and self.task != "generate":
+            raise ValueError(f"enable_lora=True needs a decoder-only LM; this model is {self.task}")
+        if self.enable_lora and self.freeze_weights:
+            raise ValueError(
+                "enable_lora=True cannot be combined with freeze_weights=True: adapter slots "
+                "change between steps and must not be folded into the graph"
+            )
         if self.attention_backend not in BACKEND_NAMES[1:]:
             raise ValueError(
                 f"attention_backend must be one of {BACKEND_NAMES[1:]} once resolved, "

@@ -16,6 +16,9 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ember.compiler.capture import kv_geometry, load_model
+from ember.lora.adapter import LoRARequest
+from ember.lora.layers import install_lora
+from ember.lora.manager import LoRAManager
 from ember.runtime.batch import TokenLogprobs
 from ember.runtime.block_manager import BlockManager
 from ember.runtime.config import EngineConfig, KVCacheSpec
@@ -78,8 +81,15 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.max_model_len,
+            config.max_loras if config.enable_lora else 0,
         )
-        self.runner = ModelRunner(model, config, num_blocks)
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            wrapped, token_slots = install_lora(
+                model, config.max_loras, config.max_lora_rank, config.max_num_batched_tokens
+            )
+            self.lora = LoRAManager(wrapped, token_slots, config.max_loras, config.max_lora_rank)
+        self.runner = ModelRunner(model, config, num_blocks, self.lora)
         self.compile_cache_hit = False
         self._rng = random.Random(config.seed)
         self._parents: dict[str, _ParentState] = {}
@@ -178,10 +188,23 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs={self.config.max_logprobs}")
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
-        """Queue a request; raises ValueError for bad input, leaving the engine untouched."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
+        """Queue a request; raises ValueError for bad input (a LoRA adapter that does not fit
+        included), leaving the engine untouched."""
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        lora_id = None
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError("lora_request needs an engine built with enable_lora=True")
+            self.lora.add(lora_request)
+            lora_id = lora_request.lora_int_id
         if self.config.task == "embed":
             arch = (getattr(self.model_config, "architectures", None) or ["?"])[0]
             raise ValueError(
@@ -221,6 +244,7 @@ class LLMEngine:
                 max_tokens,
                 generator,
                 encoder_token_ids=encoder_ids,
+                lora_id=lora_id,
             )
             self.scheduler.add_request(request)
             self._child_to_parent[cid] = (request_id, i)

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from ember.attention import select_backend
 from ember.compiler.capture import attention_features, load_hf_config, model_task
+from ember.lora.adapter import LoRARequest
 from ember.runtime.buckets import DEFAULT_TOKEN_BUCKETS
 from ember.runtime.config import EngineConfig, resolve_dtype
 from ember.runtime.engine import LLMEngine, PromptType
@@ -37,6 +38,9 @@ def build_engine_config(
     freeze_weights: bool = False,
     token_buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS,
     attention_backend: str = "auto",
+    enable_lora: bool = False,
+    max_loras: int = 4,
+    max_lora_rank: int = 16,
 ) -> EngineConfig:
     """Resolve "auto" values against the checkpoint, then build the frozen config.
 
@@ -79,6 +83,9 @@ def build_engine_config(
         token_buckets=tuple(b for b in token_buckets if b <= max_num_batched_tokens) or (1,),
         attention_backend=backend.name,
         task=task,
+        enable_lora=enable_lora,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
     )
 
 
@@ -105,6 +112,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         raise_on_error: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
@@ -112,6 +120,9 @@ class LLM:
         `sampling_params`: one for all prompts, or one per prompt.
         `raise_on_error`: if False, a request rejected for bad input comes back as a finished
         `RequestOutput` with `error` set and no completions, and the others still run.
+        `lora_request`: one adapter for all prompts, or one per prompt (None: the base model);
+        needs `LLM(..., enable_lora=True)`. An adapter that does not fit the base model fails
+        its own request only.
         """
         prompt_list: list[PromptType] = (
             [prompts] if isinstance(prompts, (str, dict)) else list(prompts)  # type: ignore[arg-type]
@@ -126,15 +137,23 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list: list[LoRARequest | None] = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise ValueError(
+                    f"lora_request has {len(lora_list)} entries for {len(prompt_list)} prompts"
+                )
         ids: list[str] = []
         rejected: dict[str, RequestOutput] = {}
         try:
-            for prompt, params in zip(prompt_list, params_list, strict=True):
+            for prompt, params, lora in zip(prompt_list, params_list, lora_list, strict=True):
                 request_id = str(self._counter)
                 self._counter += 1
                 ids.append(request_id)
                 try:
-                    self.llm_engine.add_request(request_id, prompt, params)
+                    self.llm_engine.add_request(request_id, prompt, params, lora)
                 except ValueError as e:
                     if raise_on_error:
                         raise
@@ -144,6 +163,27 @@ class LLM:
                 self.llm_engine.abort_request(request_id)
             raise
         return self._run(ids, use_tqdm, rejected)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and validate an adapter ahead of its requests (ValueError if it does not fit)."""
+        if self.llm_engine.lora is None:
+            raise ValueError("add_lora needs an engine built with enable_lora=True")
+        self.llm_engine.lora.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (its slot is cleared); False if it was not known. Requests still
+        running with it must finish first."""
+        lora = self.llm_engine.lora
+        if lora is None:
+            return False
+        if any(r.lora_id == lora_int_id for r in self.llm_engine.scheduler.requests.values()):
+            raise ValueError(f"LoRA {lora_int_id} is in use by unfinished requests")
+        return lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        lora = self.llm_engine.lora
+        return lora.list() if lora is not None else []
 
     def embed(
         self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True

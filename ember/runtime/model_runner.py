@@ -26,6 +26,7 @@ from ember.compiler.capture import (
     kv_geometry,
 )
 from ember.compiler.inductor import compile_settings
+from ember.lora.manager import LoRAManager
 from ember.runtime.batch import RunnerOutput, StepPlan
 from ember.runtime.buckets import graph_sizes, is_static, padded_num_seqs, padded_num_tokens
 from ember.runtime.config import EngineConfig
@@ -104,8 +105,15 @@ def _mark_dynamic(batch: ForwardBatch, dynamic_tokens: bool) -> None:
 class ModelRunner:
     """Runs one step of the model over the paged KV cache and samples."""
 
-    def __init__(self, model: PreTrainedModel, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: EngineConfig,
+        num_blocks: int,
+        lora: LoRAManager | None = None,
+    ) -> None:
         self.config = config
+        self.lora = lora
         num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
         shape = get_backend(config.attention_backend).kv_cache_shape(
             num_blocks, config.block_size, num_kv_heads, head_dim
@@ -208,6 +216,8 @@ class ModelRunner:
         lens = [len(t) for t in token_ids]
         num_tokens = sum(lens)
         padded_seqs = padded_num_seqs(len(lens))
+        if self.lora is not None:
+            self.lora.set_token_slots([])  # embeddings use the base model
         forward = None
         if self.config.task == "embed":
             padded_tokens = padded_num_tokens(num_tokens, self.buckets)
@@ -251,6 +261,11 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> RunnerOutput:
         if self.encoder_forward is not None:
             self._encode_admitted(plan)
+        if self.lora is not None:
+            slots = self.lora.activate({r.lora_id for r in plan.requests if r.lora_id is not None})
+            self.lora.set_token_slots(
+                [slots.get(r.lora_id, -1) for r in plan.requests for _ in r.token_ids]  # type: ignore[arg-type]
+            )
         logits = self._run(self.prepare(plan))  # [num_seqs_padded, vocab]
         rows = [i for i, r in enumerate(plan.requests) if r.sample]
         if not rows:
@@ -280,6 +295,7 @@ class ModelRunner:
             self.config.freeze_weights,
             len(self.graph_sizes) > len(self.buckets),
             self.config.attention_backend,
+            (self.config.max_loras, self.config.max_lora_rank) if self.config.enable_lora else None,
         )
         hit = cache_dir is not None and cache.lookup(cache_dir, parts)
         inductor_dir = cache.inductor_dir(cache_dir, parts) if cache_dir is not None else None

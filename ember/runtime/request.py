@@ -129,6 +129,7 @@ class Request:
     # Encoder-decoder models: the encoder input, run once per admission; its cross-attention
     # K/V live in blocks of their own. Prefix-cache keys of the decoder tokens include it.
     encoder_token_ids: list[int] | None = None
+    lora_id: int | None = None
     all_token_ids: list[int] = field(init=False)
     cache_salt: bytes = field(init=False)
 
@@ -138,6 +139,10 @@ class Request:
         if self.encoder_token_ids is not None:
             ids = ",".join(map(str, self.encoder_token_ids)).encode()
             self.cache_salt = hashlib.sha256(b"encoder:" + ids).digest()
+        if self.lora_id is not None:  # two adapters never share KV blocks
+            self.cache_salt = hashlib.sha256(
+                self.cache_salt + f"lora:{self.lora_id}".encode()
+            ).digest()
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -30,8 +30,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        max_loras: int = 0,
     ) -> None:
         self.block_manager = block_manager
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -86,6 +88,7 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         done: set[str] = set()
         preempted: list[str] = []
+        loras: set[int] = set()  # distinct adapters in this step: at most max_loras
         # Decodes before prefill chunks; stable, so admission order holds within each group.
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
         for request in order:
@@ -93,14 +96,18 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if not self._lora_fits(request, loras):
+                continue  # waits for a step with a free adapter slot
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self._allocate_or_preempt(request, num_new, done, preempted):
                 scheduled.append((request, num_new))
                 done.add(request.request_id)
                 budget -= num_new
+                if request.lora_id is not None:
+                    loras.add(request.lora_id)
         num_running = len(scheduled)
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
+            budget = self._admit_waiting(budget, scheduled, loras)
         # Requests admitted this step run their encoder (if any) before the decoder step.
         return StepPlan(
             tuple(self._scheduled(r, n, i >= num_running) for i, (r, n) in enumerate(scheduled)),
@@ -134,9 +141,16 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
+        return request.lora_id is None or request.lora_id in loras or len(loras) < self.max_loras
+
+    def _admit_waiting(
+        self, budget: int, scheduled: list[tuple[Request, int]], loras: set[int]
+    ) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if not self._lora_fits(request, loras):
+                break  # arrival order: later requests wait too
             rid, tokens, salt = request.request_id, request.all_token_ids, request.cache_salt
             enc = request.encoder_token_ids
             if enc is not None and (
@@ -159,6 +173,8 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
+            if request.lora_id is not None:
+                loras.add(request.lora_id)
         return budget
 
     def _scheduled(self, request: Request, num_new: int, admitted: bool) -> ScheduledRequest:
@@ -181,6 +197,7 @@ class Scheduler:
             generator=request.generator,
             prompt_token_ids=tuple(request.prompt_token_ids),
             output_token_ids=tuple(request.output_token_ids),
+            lora_id=request.lora_id,
             **cross,
         )
 
