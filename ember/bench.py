@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,9 +58,12 @@ def _summary(engine: str, runs: list[dict[str, float]]) -> Result:
     return Result(engine, med["out_tok_s"], med["ttft_ms"], med["tpot_ms"], runs)
 
 
-def run_ember(llm: Any, workload: Workload, repeats: int) -> Result:
+def run_ember(
+    llm: Any, workload: Workload, repeats: int, loras: Sequence[Any] | None = None
+) -> Result:
     """Drive the engine step by step: TTFT = first step of a request's first token, TPOT =
-    median time per step after it, throughput = all output tokens / wall time."""
+    median time per step after it, throughput = all output tokens / wall time. `loras`:
+    request i uses `loras[i % len(loras)]` (a LoRARequest or None)."""
     engine = llm.llm_engine
     prompts = prompts_for(workload, engine.vocab_size)
     params = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
@@ -67,7 +71,8 @@ def run_ember(llm: Any, workload: Workload, repeats: int) -> Result:
     for rep in range(repeats):
         engine.block_manager.reset_prefix_cache()  # each repeat computes its prompts
         for i, p in enumerate(prompts):
-            engine.add_request(f"bench{rep}-{i}", {"prompt_token_ids": p}, params)
+            lora = loras[i % len(loras)] if loras else None
+            engine.add_request(f"bench{rep}-{i}", {"prompt_token_ids": p}, params, lora)
         steps: list[tuple[float, int]] = []
         start = time.perf_counter()
         while engine.has_unfinished_requests():

@@ -77,7 +77,7 @@ def gib_for_blocks(
     from ember.runtime.config import KVCacheSpec
 
     layers, kv_heads, head_dim = kv_geometry(load_hf_config(model_dir))
-    spec = KVCacheSpec(layers, kv_heads, head_dim, block_size, num_blocks, dtype)
+    spec = KVCacheSpec(((kv_heads, head_dim),) * layers, block_size, num_blocks, dtype)
     return (num_blocks * spec.bytes_per_block + 1) / 2**30
 
 

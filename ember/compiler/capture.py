@@ -195,18 +195,44 @@ def _embed(
     return stack.embed_tokens(input_ids[None]) + pos
 
 
+def _global_value(config: PretrainedConfig, name: str) -> Any:
+    """`config.<name>`, or its serialized global value for heterogeneous configs (Gemma 4),
+    which refuse a global read of a per-layer field; per-layer values come from the modules
+    (`kv_layer_shapes`)."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return config.to_dict().get(name)
+
+
 def kv_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of the text model. Encoder-decoder models keep
     encoder and decoder layers in the same per-layer caches: max of the two layer counts."""
     num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    num_kv_heads = _global_value(config, "num_key_value_heads") or num_heads
+    head_dim = _global_value(config, "head_dim") or config.hidden_size // num_heads
     num_layers = max(
         config.num_hidden_layers,
         getattr(config, "encoder_layers", 0) or 0,
         getattr(config, "decoder_layers", 0) or 0,
     )
     return num_layers, num_kv_heads, head_dim
+
+
+def kv_layer_shapes(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """(num_kv_heads, head_dim) of each KV-cache layer, read from the loaded attention modules
+    (models such as Gemma 4 give global-attention layers their own head_dim and K/V heads);
+    layers whose modules do not say fall back to the config's geometry."""
+    num_layers, num_kv_heads, head_dim = kv_geometry(model.config)  # type: ignore[arg-type]
+    shapes = [(num_kv_heads, head_dim)] * num_layers
+    for module in model.modules():
+        idx, dim = getattr(module, "layer_idx", None), getattr(module, "head_dim", None)
+        k_proj = getattr(module, "k_proj", None)
+        out = getattr(k_proj, "out_features", None)
+        if isinstance(idx, int) and isinstance(dim, int) and isinstance(out, int):
+            if 0 <= idx < num_layers:
+                shapes[idx] = (out // dim, dim)
+    return tuple(shapes)
 
 
 def capture_encoder_forward(model: PreTrainedModel) -> Callable[..., Any]:

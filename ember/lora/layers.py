@@ -35,6 +35,14 @@ class LoRALinear(nn.Module):
         )
 
     @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    @property
     def weight(self) -> torch.Tensor:  # HF code sometimes reads proj.weight (dtype, device)
         return self.base.weight
 

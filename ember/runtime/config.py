@@ -158,9 +158,7 @@ class EngineConfig:
 class KVCacheSpec:
     """Shape of the paged KV cache, derived from the model and `EngineConfig.kv_cache_gib`."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    layer_shapes: tuple[tuple[int, int], ...]  # (num_kv_heads, head_dim) of each layer's cache
     block_size: int
     num_blocks: int
     dtype: torch.dtype
@@ -168,17 +166,15 @@ class KVCacheSpec:
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.block_size * elem * sum(h * d for h, d in self.layer_shapes)
 
     @staticmethod
     def num_blocks_for(
         kv_cache_gib: float,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
+        layer_shapes: tuple[tuple[int, int], ...],
         block_size: int,
         dtype: torch.dtype,
     ) -> int:
         """How many blocks of this geometry fit in `kv_cache_gib`."""
-        one = KVCacheSpec(num_layers, num_kv_heads, head_dim, block_size, 1, dtype)
+        one = KVCacheSpec(layer_shapes, block_size, 1, dtype)
         return int(kv_cache_gib * (1 << 30)) // one.bytes_per_block

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ember.compiler.capture import kv_geometry, load_model
+from ember.compiler.capture import kv_layer_shapes, load_model
 from ember.lora.adapter import LoRARequest
 from ember.lora.layers import install_lora
 from ember.lora.manager import LoRAManager
@@ -104,9 +104,8 @@ class LLMEngine:
         except (OSError, ValueError, TypeError) as e:
             logger.warning("no tokenizer in %s (%s); only token-id prompts work", config.model, e)
             tokenizer = None
-        num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
         num_blocks = KVCacheSpec.num_blocks_for(
-            config.kv_cache_gib, num_layers, num_kv_heads, head_dim, config.block_size, config.dtype
+            config.kv_cache_gib, kv_layer_shapes(model), config.block_size, config.dtype
         )
         # One block is the reserved dummy block for padding.
         if num_blocks - 1 < config.max_blocks_per_seq:

@@ -23,7 +23,7 @@ from ember.compiler.capture import (
     capture_forward,
     capture_hidden_forward,
     compile_forward,
-    kv_geometry,
+    kv_layer_shapes,
 )
 from ember.compiler.inductor import compile_settings
 from ember.lora.manager import LoRAManager
@@ -114,13 +114,16 @@ class ModelRunner:
     ) -> None:
         self.config = config
         self.lora = lora
-        num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
-        shape = get_backend(config.attention_backend).kv_cache_shape(
-            num_blocks, config.block_size, num_kv_heads, head_dim
-        )
-        # Zeros, not empty: attention masks unused slots, and masked NaNs would still poison
-        # the weighted sum.
-        self.kv_caches = [torch.zeros(shape, dtype=config.dtype) for _ in range(num_layers)]
+        backend = get_backend(config.attention_backend)
+        # One tensor per layer, each with that layer's K/V heads and head_dim. Zeros, not
+        # empty: attention masks unused slots, and masked NaNs would still poison the sum.
+        self.kv_caches = [
+            torch.zeros(
+                backend.kv_cache_shape(num_blocks, config.block_size, num_kv_heads, head_dim),
+                dtype=config.dtype,
+            )
+            for num_kv_heads, head_dim in kv_layer_shapes(model)
+        ]
         self.model = model
         self.buckets = config.token_buckets
         # The main forward: logits for a (causal or encoder-decoder) LM; hidden states for an
