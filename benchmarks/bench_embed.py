@@ -49,9 +49,11 @@ def bench_embed_ember(benchmark, setup, results):
     model_dir, sentences = setup
     llm = LLM(model=model_dir, dtype="float32", use_tqdm=False, max_num_batched_tokens=2048)
     benchmark.pedantic(llm.embed, args=(sentences,), kwargs={"use_tqdm": False}, rounds=3)
+    llm.close()
+    if benchmark.stats is None:  # --benchmark-disable
+        return
     results["ember"] = NUM_SENTENCES / benchmark.stats.stats.median
     benchmark.extra_info["sentences_per_s"] = round(results["ember"], 1)
-    llm.close()
 
 
 def bench_embed_hf(benchmark, setup, results):
@@ -70,6 +72,8 @@ def bench_embed_hf(benchmark, setup, results):
             F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
 
     benchmark.pedantic(run, rounds=3)
+    if benchmark.stats is None:  # --benchmark-disable
+        return
     results["hf"] = NUM_SENTENCES / benchmark.stats.stats.median
     benchmark.extra_info["sentences_per_s"] = round(results["hf"], 1)
     if "ember" in results:

@@ -29,3 +29,31 @@ def test_bench_workloads_run_and_report(checkpoint_dir):
     lat = dataclasses.replace(tiny, num_requests=1)
     assert "of it)" in bench.format_table(lat, [ours], 1.0, 20.0, 0.5)
     assert "of it)" not in table
+
+
+def test_benchmark_suites_import_and_attention_smoke():
+    """The pytest-benchmark suites collect, and the op suite runs once per case (no timing)."""
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-disable"]
+    smoke = subprocess.run(
+        [
+            *run,
+            "benchmarks/bench_attention.py",
+            "-k",
+            "torch and (b1_ctx128 or prefill_512 or mixed)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert smoke.returncode == 0, smoke.stdout[-2000:]
+    assert "3 passed" in smoke.stdout
+    collect = subprocess.run(
+        [*run, "--collect-only", "benchmarks/bench_embed.py", "benchmarks/bench_lora.py"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert collect.returncode == 0, collect.stdout[-2000:]

@@ -35,6 +35,7 @@ class AttentionFeatures:
     softcap: bool = False
     bidirectional: bool = False
     kv_sharing: bool = False
+    cross_attention: bool = False  # encoder-decoder: cross K/V written by ember::write_kv_cache
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ class AttentionBackend:
             return "sliding-window attention"
         if features.bidirectional and not self.bidirectional:
             return "bidirectional (encoder) attention"
+        if features.cross_attention and self.kv_layout != "blocks_slots_heads":
+            return "encoder-decoder cross-attention (its K/V writer uses the default layout)"
         return None
 
 

@@ -67,6 +67,7 @@ def model_task(config: PretrainedConfig) -> str:
     causal_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
     base_name = MODEL_MAPPING_NAMES.get(config.model_type)
     seq2seq_name = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    auto_cls: Any
     if getattr(config, "is_encoder_decoder", False):
         if seq2seq_name is None or (declared and seq2seq_name not in declared):
             raise UnsupportedModelError(
@@ -114,6 +115,7 @@ def attention_features(config: PretrainedConfig, kv_dtype: torch.dtype) -> Atten
         sliding_window=sliding,
         softcap=bool(getattr(config, "attn_logit_softcapping", None)),
         bidirectional=model_task(config) in ("embed", "encdec"),
+        cross_attention=model_task(config) == "encdec",
         kv_sharing=bool(getattr(config, "num_kv_shared_layers", 0)),
     )
 
@@ -185,11 +187,9 @@ def _prepare_encoder_decoder(model: PreTrainedModel) -> None:
         cross._ember_cross_attention = True
 
 
-def _embed(
-    stack: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor:
+def _embed(stack: Any, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Token embeddings plus each token's own position embedding: [1, num_tokens, d]."""
-    learned: torch.nn.Embedding = stack.embed_positions.original
+    learned = stack.embed_positions.original
     # nn.Embedding's lookup, not the module's own forward (which derives positions from shape).
     pos = torch.nn.functional.embedding(positions[None] + learned.offset, learned.weight)
     return stack.embed_tokens(input_ids[None]) + pos

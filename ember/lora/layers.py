@@ -16,6 +16,10 @@ from ember.lora.adapter import TARGET_MODULES
 
 
 class LoRALinear(nn.Module):
+    token_slots: torch.Tensor
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+
     def __init__(
         self, base: nn.Linear, max_loras: int, max_rank: int, token_slots: torch.Tensor
     ) -> None:

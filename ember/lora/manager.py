@@ -53,7 +53,7 @@ class LoRAManager:
             self._clear(slot)
         return self.adapters.pop(lora_id, None) is not None
 
-    def list(self) -> list[LoRARequest]:
+    def requests(self) -> list[LoRARequest]:
         return [req for req, _ in self.adapters.values()]
 
     def _clear(self, slot: int) -> None:

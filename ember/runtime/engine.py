@@ -72,7 +72,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.model_config = model.config
-        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])  # type: ignore[operator]
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])  # type: ignore[operator, index]
         self.pooling = load_pooling_config(config.model, config.task)
         self.eos_token_id = _eos_id(model, tokenizer)
         self.block_manager = BlockManager(num_blocks, config.block_size)

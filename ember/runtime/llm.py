@@ -183,7 +183,7 @@ class LLM:
 
     def list_loras(self) -> list[LoRARequest]:
         lora = self.llm_engine.lora
-        return lora.list() if lora is not None else []
+        return lora.requests() if lora is not None else []
 
     def embed(
         self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True

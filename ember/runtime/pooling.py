@@ -52,8 +52,10 @@ def load_pooling_config(model_dir: str, task: str) -> PoolingConfig:
     pooling = types.get("Pooling")
     if pooling is None:
         return PoolingConfig(default.mode, normalize="Normalize" in types)
-    cfg = _read_json(os.path.join(model_dir, pooling.get("path", ""), "config.json")) or {}
-    chosen = [mode for key, mode in _ST_MODES.items() if cfg.get(key)]  # type: ignore[union-attr]
+    cfg = _read_json(os.path.join(model_dir, pooling.get("path", ""), "config.json"))
+    if not isinstance(cfg, dict):
+        cfg = {}
+    chosen = [mode for key, mode in _ST_MODES.items() if cfg.get(key)]
     if len(chosen) != 1:
         raise ValueError(
             f"{model_dir}: sentence-transformers pooling must select exactly one of "

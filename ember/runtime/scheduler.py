@@ -10,6 +10,7 @@ running request not yet scheduled this step is preempted and later recomputed.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from ember.runtime.batch import RunnerOutput, ScheduledRequest, StepPlan
 from ember.runtime.block_manager import BlockManager
@@ -180,7 +181,7 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int, admitted: bool) -> ScheduledRequest:
         start = request.num_computed_tokens
         enc = request.encoder_token_ids
-        cross = {}
+        cross: dict[str, Any] = {}
         if enc is not None:
             cross = dict(
                 encoder_token_ids=tuple(enc) if admitted else (),

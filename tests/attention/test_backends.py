@@ -56,9 +56,13 @@ def test_triton_without_gpu_or_interpreter_is_unavailable(monkeypatch):
 def test_feature_a_backend_lacks_fails_naming_backend_and_feature(features, lacking):
     with pytest.raises(BackendUnavailableError, match=f"{lacking} is not supported by .*'torch'"):
         select_backend("torch", features)
-    assert get_backend("ipex").unsupported(
-        AttentionFeatures((64,), torch.float32, softcap=True)
-    ) == ("attention logit soft-capping")
+    ipex = get_backend("ipex")
+    assert ipex.unsupported(AttentionFeatures((64,), torch.float32, softcap=True)) == (
+        "attention logit soft-capping"
+    )
+    assert "cross-attention" in ipex.unsupported(
+        AttentionFeatures((64,), torch.float32, cross_attention=True)
+    )
 
 
 def test_model_needing_an_unsupported_feature_fails_at_load(checkpoint_dir):
