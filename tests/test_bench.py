@@ -32,7 +32,7 @@ def test_bench_workloads_run_and_report(checkpoint_dir):
 
 
 def test_benchmark_suites_import_and_attention_smoke():
-    """The pytest-benchmark suites collect, and the op suite runs once per case (no timing)."""
+    """The pytest-benchmark suites collect, and the op suites run once per case (no timing)."""
     import subprocess
     import sys
 
@@ -50,6 +50,13 @@ def test_benchmark_suites_import_and_attention_smoke():
     )
     assert smoke.returncode == 0, smoke.stdout[-2000:]
     assert "3 passed" in smoke.stdout
+    ops = subprocess.run(
+        [*run, "benchmarks/bench_linear.py", "benchmarks/bench_lora_ops.py", "-k", "1-"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert ops.returncode == 0, ops.stdout[-2000:]
     collect = subprocess.run(
         [*run, "--collect-only", "benchmarks/bench_embed.py", "benchmarks/bench_lora.py"],
         capture_output=True,
