@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ember.attention import BACKEND_NAMES
+from ember.cpu import cpu_has_native_bf16
 
 logger = logging.getLogger("ember")
 
@@ -40,16 +41,6 @@ def _check_range(name: str, value: int | float, low: int | float, high: int | fl
         raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU has bf16 matrix instructions (AVX512-BF16 or AMX-BF16)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None) -> torch.dtype:

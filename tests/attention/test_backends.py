@@ -106,3 +106,19 @@ def test_engine_on_backend_matches_hf(checkpoint_dir, name):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(d, prompts, 8)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16-math", "fp32-math"])
+def test_bf16_cache_math_both_ways(monkeypatch, native_bf16):
+    """A bf16 cache is attended in bf16 on CPUs with native bf16 math, else in fp32; both match
+    the fp32 oracle within bf16 tolerance (mixed, windowed and split-decode cases)."""
+    monkeypatch.setattr(torch_cpu, "cpu_has_native_bf16", lambda: native_bf16)
+    want = torch.bfloat16 if native_bf16 else torch.float32
+    assert torch_cpu.compute_dtype(torch.bfloat16) == want
+    assert torch_cpu.compute_dtype(torch.float32) == torch.float32
+    monkeypatch.setattr(torch_cpu, "_SPLIT_MIN_TOKENS", 8)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    backend = load_backend("torch")
+    for specs, window in (([(12, 1), (0, 11), (5, 1), (0, 3)], 0), ([(63, 1), (40, 1)], 20)):
+        out, refs, _ = _run_case(backend, specs, 4, 1, 16, 4, torch.bfloat16, sliding_window=window)
+        torch.testing.assert_close(out.float(), torch.cat(refs), atol=3e-2, rtol=3e-2)
