@@ -104,6 +104,7 @@ def model_task(config: PretrainedConfig) -> str:
 def attention_features(config: PretrainedConfig, kv_dtype: torch.dtype) -> AttentionFeatures:
     """What the model's attention layers need from a backend, read from its config."""
     _, _, head_dim = kv_geometry(config)
+    task = model_task(config)
     layer_types = getattr(config, "layer_types", None) or ()
     window = getattr(config, "sliding_window", None)
     sliding = "sliding_attention" in layer_types or bool(
@@ -114,8 +115,8 @@ def attention_features(config: PretrainedConfig, kv_dtype: torch.dtype) -> Atten
         kv_dtype=kv_dtype,
         sliding_window=sliding,
         softcap=bool(getattr(config, "attn_logit_softcapping", None)),
-        bidirectional=model_task(config) in ("embed", "encdec"),
-        cross_attention=model_task(config) == "encdec",
+        bidirectional=task in ("embed", "encdec"),
+        cross_attention=task == "encdec",
         kv_sharing=bool(getattr(config, "num_kv_shared_layers", 0)),
     )
 

@@ -37,40 +37,32 @@ def _attention_forward(
     Returns attn_output [1, num_tokens, num_heads, head_dim], as HF's attention functions do.
     """
     meta: AttentionMetadata = kwargs["attn_metadata"]
-    kv_cache = kwargs["kv_caches"][module.layer_idx]
     head_dim = query.shape[-1]
+    key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    slots = meta.slot_mapping
+    seq_lens: torch.Tensor | None = meta.seq_lens
+    tables: torch.Tensor | None = meta.block_tables
+    causal = bool(getattr(module, "is_causal", True))
     if getattr(module, "_ember_cross_attention", False):
         # Cross-attention: K/V of the encoder output were written once per request (see
         # `ember.compiler.capture.capture_encoder_forward`); the HF module's own key/value
-        # (of a 1-row placeholder) are ignored, and nothing is written.
-        out = op(
-            query[0].transpose(0, 1),
-            key[0, :, :0].transpose(0, 1),
-            value[0, :, :0].transpose(0, 1),
-            kv_cache,
-            meta.slot_mapping[:0],
-            meta.query_start_loc,
-            meta.cross_seq_lens,
-            meta.cross_block_tables,
-            float(scaling if scaling is not None else head_dim**-0.5),
-            0,
-            0.0,
-            False,
-        )
-        return out[None], None
+        # (of a 1-row placeholder) are ignored, nothing is written, every encoder row is seen.
+        key, value, slots = key[:0], value[:0], slots[:0]
+        seq_lens, tables = meta.cross_seq_lens, meta.cross_block_tables
+        sliding_window, softcap, causal = None, None, False
     out = op(
         query[0].transpose(0, 1),
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
-        kv_cache,
-        meta.slot_mapping,
+        key,
+        value,
+        kwargs["kv_caches"][module.layer_idx],
+        slots,
         meta.query_start_loc,
-        meta.seq_lens,
-        meta.block_tables,
+        seq_lens,
+        tables,
         float(scaling if scaling is not None else head_dim**-0.5),
         int(sliding_window or 0),
         float(softcap or 0.0),
-        bool(getattr(module, "is_causal", True)),
+        causal,
     )
     return out[None], None
 

@@ -162,28 +162,29 @@ class LLMEngine:
         elif decoder is not None:
             decoder_ids += self.tokenize(decoder)[1]
         limit = self.model_config.max_position_embeddings
-        if not encoder_ids:
-            raise ValueError("encoder prompt is empty: it must have at least 1 token")
         if len(encoder_ids) > limit:
             raise ValueError(
                 f"encoder prompt has {len(encoder_ids)} tokens; it must have at most "
                 f"max_position_embeddings={limit}"
             )
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in encoder_ids):
-            raise ValueError(f"encoder prompt token ids must be in [0, {self.vocab_size})")
+        self._check_token_ids(encoder_ids, "encoder prompt")
         return text, decoder_ids, encoder_ids
 
-    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _check_token_ids(self, token_ids: list[int], what: str) -> None:
+        """`what` ("prompt", "prompt 3", ...) must be non-empty ids in the vocabulary."""
         if not token_ids:
-            raise ValueError("prompt is empty: it must have at least 1 token")
+            raise ValueError(f"{what} is empty: it must have at least 1 token")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what} token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+
+    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if len(token_ids) >= self.config.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; max_model_len={self.config.max_model_len} "
                 "leaves no room for output (prompt must be shorter than max_model_len)"
             )
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        self._check_token_ids(token_ids, "prompt")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs={self.config.max_logprobs}")
 
@@ -370,15 +371,12 @@ class LLMEngine:
         items = []
         for i, (rid, prompt) in enumerate(zip(request_ids, prompts, strict=True)):
             text, ids = self.tokenize(prompt)
-            if not ids:
-                raise ValueError(f"prompt {i} is empty: it must have at least 1 token")
             if len(ids) > limit:
                 raise ValueError(
                     f"prompt {i} has {len(ids)} tokens; embedding inputs must have at most "
                     f"min(max_model_len, max_num_batched_tokens)={limit}"
                 )
-            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
-                raise ValueError(f"prompt {i}: token ids must be in [0, {self.vocab_size})")
+            self._check_token_ids(ids, f"prompt {i}")
             items.append((rid, text, ids))
         # Encoder blocks must never be matched by a causal prefix: hash them apart.
         extra = b"" if self.config.task == "generate" else b"bidirectional"

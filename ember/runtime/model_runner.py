@@ -8,7 +8,7 @@ of prefills and decodes; padding tokens write into the reserved null block and a
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -175,25 +175,41 @@ class ModelRunner:
         """Encoder pass over `(encoder_token_ids, cross_block_ids)` of requests admitted this
         step: fills their cross blocks with every decoder layer's cross-attention K/V. Returns
         the encoder output [num_tokens, d] (padding rows dropped)."""
-        lens = [len(ids) for ids, _ in requests]
+        token_ids = [ids for ids, _ in requests]
+        batch = self._prompt_batch(token_ids, [b for _, b in requests], self.max_cross_blocks, True)
+        if self.config.compile:
+            _mark_dynamic(batch, not is_static(batch.input_ids.shape[0], self.buckets))
+        assert self.encoder_forward is not None
+        hidden = self.encoder_forward(
+            batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches
+        )
+        return hidden[: sum(map(len, token_ids))]
+
+    def _prompt_batch(
+        self,
+        token_ids: Sequence[Sequence[int]],
+        block_ids: Sequence[Sequence[int]],
+        max_blocks: int,
+        pad_to_bucket: bool,
+    ) -> ForwardBatch:
+        """Whole prompts (nothing computed yet) laid end to end, each writing its K/V into its
+        `block_ids`; the token count is padded to a bucket when `pad_to_bucket`."""
+        lens = [len(t) for t in token_ids]
         num_tokens = sum(lens)
-        padded_tokens = padded_num_tokens(num_tokens, self.buckets)
+        padded_tokens = padded_num_tokens(num_tokens, self.buckets) if pad_to_bucket else num_tokens
+        padded_seqs = padded_num_seqs(len(lens))
         meta, positions = build_attention_metadata(
             [0] * len(lens),
             lens,
-            [blocks for _, blocks in requests],
+            [tuple(b) for b in block_ids],
             self.config.block_size,
-            self.max_cross_blocks,
+            max_blocks,
             padded_tokens,
-            padded_num_seqs(len(lens)),
+            padded_seqs,
         )
         input_ids = torch.zeros(padded_tokens, dtype=torch.long)
-        input_ids[:num_tokens] = torch.tensor([t for ids, _ in requests for t in ids])
-        batch = ForwardBatch(input_ids, positions, meta, meta.seq_lens)
-        if self.config.compile:
-            _mark_dynamic(batch, not is_static(padded_tokens, self.buckets))
-        assert self.encoder_forward is not None
-        return self.encoder_forward(input_ids, positions, meta, self.kv_caches)[:num_tokens]
+        input_ids[:num_tokens] = torch.tensor([t for ids in token_ids for t in ids])
+        return ForwardBatch(input_ids, positions, meta, torch.zeros(padded_seqs, dtype=torch.long))
 
     def _run(
         self, batch: ForwardBatch, forward: Callable[..., torch.Tensor] | None = None
@@ -216,32 +232,17 @@ class ModelRunner:
         Embedding models run their compiled graphs; a causal LM's base model runs eagerly (its
         compiled graphs produce logits).
         """
-        lens = [len(t) for t in token_ids]
-        num_tokens = sum(lens)
-        padded_seqs = padded_num_seqs(len(lens))
         if self.lora is not None:
             self.lora.set_token_slots([])  # embeddings use the base model
         forward = None
-        if self.config.task == "embed":
-            padded_tokens = padded_num_tokens(num_tokens, self.buckets)
-        else:
-            padded_tokens = num_tokens
+        if self.config.task != "embed":
             if self._eager_hidden is None:
                 self._eager_hidden = capture_hidden_forward(self.model)
             forward = self._eager_hidden
-        meta, positions = build_attention_metadata(
-            [0] * len(lens),
-            lens,
-            [tuple(b) for b in block_ids],
-            self.config.block_size,
-            self.config.max_blocks_per_seq,
-            padded_tokens,
-            padded_seqs,
+        batch = self._prompt_batch(
+            token_ids, block_ids, self.config.max_blocks_per_seq, forward is None
         )
-        input_ids = torch.zeros(padded_tokens, dtype=torch.long)
-        input_ids[:num_tokens] = torch.tensor([t for ids in token_ids for t in ids])
-        batch = ForwardBatch(input_ids, positions, meta, torch.zeros(padded_seqs, dtype=torch.long))
-        return self._run(batch, forward)[:num_tokens]
+        return self._run(batch, forward)[: sum(map(len, token_ids))]
 
     def _encode_admitted(self, plan: StepPlan) -> None:
         """Run the encoder for requests admitted this step, in groups within the token budget
