@@ -3,8 +3,11 @@
 W-THRU: 32 requests x 128 random prompt tokens (seed 0), 128 output tokens each, greedy, EOS
 ignored; output tokens/s excluding load and warm-up. W-LAT: 1 request, 128 prompt tokens, 128
 output tokens; TTFT and TPOT. Every figure is the median of `repeats` runs in this process, and
-`--compare hf` runs the same workload with HF transformers (eager `generate`) in the same
-process, so ratios come from one run on this noisy machine.
+`--compare hf` runs the same workload with HF transformers (eager `generate`, plus static-cache
+`torch.compile` for W-LAT) in the same process, so ratios come from one run on this noisy
+machine. The rooflines are measured in the same run: memory bandwidth (batch-1 decode floor =
+weight bytes per token / bandwidth) and the ATen GEMM rate (compute floor = workload FLOPs /
+GEMM rate).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Result:
     ttft_ms: float
     tpot_ms: float
     runs: list[dict[str, float]] = field(default_factory=list)
+    startup_s: float | None = None
 
 
 def prompts_for(workload: Workload, vocab_size: int) -> list[list[int]]:
@@ -53,7 +57,7 @@ def prompts_for(workload: Workload, vocab_size: int) -> list[list[int]]:
     ]
 
 
-def _summary(engine: str, runs: list[dict[str, float]]) -> Result:
+def summarize(engine: str, runs: list[dict[str, float]]) -> Result:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     return Result(engine, med["out_tok_s"], med["ttft_ms"], med["tpot_ms"], runs)
 
@@ -88,29 +92,45 @@ def run_ember(
                 "tpot_ms": statistics.median(s for s, _ in steps[first + 1 :]) * 1e3,
             }
         )
-    return _summary("ember", runs)
+    return summarize("ember", runs)
 
 
-def run_hf(model_dir: str, dtype: torch.dtype, workload: Workload, repeats: int) -> Result:
-    """HF transformers eager `generate` on the same prompts (one batch, no padding needed)."""
+def run_hf(
+    model_dir: str,
+    dtype: torch.dtype,
+    workload: Workload,
+    repeats: int,
+    static_compile: bool = False,
+) -> Result:
+    """HF transformers `generate` on the same prompts (one batch, no padding needed): eager with
+    its dynamic cache, or `static_compile`: a static KV cache and `torch.compile(model.forward,
+    fullgraph=True)`, HF's recipe for low latency (two graphs: prefill and decode). Start-up is
+    load time plus, when compiling, the first (compiling) generate call."""
     from transformers import AutoModelForCausalLM
 
+    t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     ids = torch.tensor(prompts_for(workload, model.config.vocab_size))
-    kw = dict(
+    kw: dict[str, Any] = dict(
         do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids)
     )
+    if static_compile:
+        kw["cache_implementation"] = "static"
+        model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
+
+    def generate(n: int) -> float:
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        return time.perf_counter() - t
+
     runs = []
     with torch.inference_mode():
+        if static_compile:
+            generate(2)  # compiles the prefill and the decode graph
+        startup = time.perf_counter() - t0
         for _ in range(repeats):
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-            ttft = time.perf_counter() - t
-            t = time.perf_counter()
-            model.generate(
-                ids, max_new_tokens=workload.output_len, min_new_tokens=workload.output_len, **kw
-            )
-            wall = time.perf_counter() - t
+            ttft = generate(1)
+            wall = generate(workload.output_len)
             runs.append(
                 {
                     "out_tok_s": workload.num_requests * workload.output_len / wall,
@@ -118,7 +138,9 @@ def run_hf(model_dir: str, dtype: torch.dtype, workload: Workload, repeats: int)
                     "tpot_ms": (wall - ttft) / (workload.output_len - 1) * 1e3,
                 }
             )
-    return _summary("hf-eager", runs)
+    result = summarize("hf-static-compile" if static_compile else "hf-eager", runs)
+    result.startup_s = startup
+    return result
 
 
 def measure_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -134,40 +156,108 @@ def measure_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def decode_bytes_per_token(model: torch.nn.Module) -> int:
-    """Weight bytes one batch-1 decode step reads: every parameter except the input embedding
-    table (one row of it is read), counting a tied LM head once."""
+    """Weight bytes one batch-1 decode step reads: every parameter and weight buffer (int8
+    weights and their scales) except the input embedding table (one row of it is read),
+    counting a tied LM head once."""
     embed = model.get_input_embeddings().weight  # type: ignore[operator]
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    unique = {t.data_ptr(): t for t in model.state_dict().values()}  # params + saved buffers
+    total = sum(t.numel() * t.element_size() for t in unique.values())
     head = model.get_output_embeddings()  # type: ignore[operator]
     tied = head is not None and head.weight.data_ptr() == embed.data_ptr()
     return total if tied else total - embed.numel() * embed.element_size()
 
 
-def format_table(
-    workload: Workload,
-    results: list[Result],
-    startup_s: float,
-    bandwidth_gbs: float,
-    roofline_ms: float,
-) -> str:
+def measure_gemm_gflops(
+    dtype: torch.dtype, m: int = 512, k: int = 2048, n: int = 2048, repeats: int = 5
+) -> float:
+    """This machine's GEMM rate through ATen in `dtype` (a prefill-sized `x @ W.T`), GFLOP/s."""
+    x = torch.randn(m, k, dtype=dtype)
+    w = torch.randn(n, k, dtype=dtype)
+    torch.nn.functional.linear(x, w)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - t)
+    return 2 * m * k * n / statistics.median(times) / 1e9
+
+
+def workload_flops(model: Any, workload: Workload) -> float:
+    """FLOPs of the workload's model math: every linear layer at every computed token, the LM
+    head only at sampled positions (one per output token), and attention (QK^T and PV) over
+    each token's causal context. Embedding lookups, norms and activations are not counted."""
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    body = sum(
+        m.in_features * m.out_features
+        for m in model.modules()
+        if hasattr(m, "in_features")
+        and hasattr(m, "out_features")
+        and m is not head
+        and not any(True for _ in m.children())  # leaves only (a LoRA wrapper counts once)
+    )
+    cfg = model.config
+    p, o, n = workload.prompt_len, workload.output_len, workload.num_requests
+    tokens = p + o - 1  # the last output token is sampled, never fed back
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    context = tokens * (tokens + 1) / 2  # sum over tokens of their context length
+    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * context
+    per_request = 2 * body * tokens + 2 * head.in_features * head.out_features * o + attention
+    return n * per_request
+
+
+@dataclass
+class Report:
+    """One `ember bench` run: results (ember first) and this machine's rooflines, all measured
+    in the same process."""
+
+    workload: Workload
+    results: list[Result]
+    bandwidth_gbs: float
+    bytes_per_token: int
+    gemm_gflops: float
+    gemm_dtype: str
+    flops: float
+    warm_start: bool
+
+    @property
+    def roofline_ms(self) -> float:
+        """Batch-1 decode floor: weight bytes per token / memory bandwidth."""
+        return self.bytes_per_token / (self.bandwidth_gbs * 1e9) * 1e3
+
+
+def format_table(report: Report) -> str:
+    w, results = report.workload, report.results
     lines = [
-        f"{workload.name}: {workload.num_requests} req x {workload.prompt_len} prompt + "
-        f"{workload.output_len} output tokens; medians of {len(results[0].runs)} runs",
-        f"{'engine':10s} {'out tok/s':>10s} {'TTFT ms':>9s} {'TPOT ms':>9s}",
+        f"{w.name}: {w.num_requests} req x {w.prompt_len} prompt + {w.output_len} output "
+        f"tokens; medians of {len(results[0].runs)} runs",
+        f"{'engine':18s} {'out tok/s':>10s} {'TTFT ms':>9s} {'TPOT ms':>9s} {'start-up s':>11s}",
     ]
     for r in results:
-        lines.append(f"{r.engine:10s} {r.out_tok_s:10.1f} {r.ttft_ms:9.1f} {r.tpot_ms:9.2f}")
-    if len(results) > 1:
-        a, b = results[0], results[1]
+        startup = f"{r.startup_s:11.1f}" if r.startup_s is not None else f"{'-':>11s}"
         lines.append(
-            f"ratio ember/{b.engine}: throughput {a.out_tok_s / b.out_tok_s:.2f}x, "
-            f"TTFT {b.ttft_ms / a.ttft_ms:.2f}x faster, TPOT {b.tpot_ms / a.tpot_ms:.2f}x faster"
+            f"{r.engine:18s} {r.out_tok_s:10.1f} {r.ttft_ms:9.1f} {r.tpot_ms:9.2f} {startup}"
         )
+    ours = results[0]
+    for other in results[1:]:
+        lines.append(
+            f"ember vs {other.engine}: throughput {ours.out_tok_s / other.out_tok_s:.2f}x, "
+            f"TTFT {other.ttft_ms / ours.ttft_ms:.2f}x faster, "
+            f"TPOT {other.tpot_ms / ours.tpot_ms:.2f}x faster"
+        )
+    start = "warm (compile cache hit)" if report.warm_start else "cold (compiled)"
+    lines.append(f"ember start-up {ours.startup_s or 0.0:.1f} s, {start}")
     line = (
-        f"ember start-up {startup_s:.1f} s; memory bandwidth {bandwidth_gbs:.1f} GB/s; "
-        f"batch-1 decode roofline {roofline_ms:.2f} ms/token"
+        f"memory bandwidth {report.bandwidth_gbs:.1f} GB/s; weights read per decode token "
+        f"{report.bytes_per_token / 1e6:.0f} MB; batch-1 decode roofline "
+        f"{report.roofline_ms:.2f} ms/token"
     )
-    if workload.num_requests == 1:  # the roofline is for batch-1 decode
-        line += f" (ember TPOT at {roofline_ms / results[0].tpot_ms:.0%} of it)"
+    if w.num_requests == 1:  # the bandwidth roofline is for batch-1 decode
+        line += f"; ember TPOT at {report.roofline_ms / ours.tpot_ms:.0%} of it"
     lines.append(line)
+    achieved = report.flops / (w.num_requests * w.output_len / ours.out_tok_s) / 1e9
+    lines.append(
+        f"GEMM rate {report.gemm_gflops:.0f} GFLOP/s ({report.gemm_dtype}); workload "
+        f"{report.flops / 1e12:.2f} TFLOP; ember {achieved:.0f} GFLOP/s = "
+        f"{achieved / report.gemm_gflops:.0%} of the compute roofline"
+    )
     return "\n".join(lines)

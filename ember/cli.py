@@ -25,7 +25,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="local HF checkpoint dir (default: a small random Llama "
         "built once under the user cache dir)",
     )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "int8"],
+        help="int8: weight-only int8 (per-channel scales), float32 activations and math",
+    )
     p.add_argument("--kv-cache-gib", type=float, default=DEFAULT_KV_CACHE_GIB)
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
@@ -185,7 +190,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
         model_dir = build_checkpoint(
-            user_cache_dir("models", f"{args.shape}-{args.dtype}"),
+            user_cache_dir("models", f"{args.shape}-{str(dtype).removeprefix('torch.')}"),
             args.shape,
             dtype=dtype,
             initializer_range=0.02,
@@ -197,14 +202,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     llm = LLM(model=model_dir, use_tqdm=False, **kwargs)
     startup = time.perf_counter() - t0
     results = [bench.run_ember(llm, workload, args.repeats)]
+    results[0].startup_s = startup
+    engine = llm.llm_engine
+    model = engine.runner.model
     dtype = llm.config.dtype
-    bytes_per_token = bench.decode_bytes_per_token(llm.llm_engine.runner.model)
+    bytes_per_token = bench.decode_bytes_per_token(model)
+    flops = bench.workload_flops(model, workload)
+    warm = engine.compile_cache_hit
     llm.close()
     if args.compare == "hf":
         results.append(bench.run_hf(model_dir, dtype, workload, args.repeats))
-    bandwidth = bench.measure_bandwidth_gbs()
-    roofline_ms = bytes_per_token / (bandwidth * 1e9) * 1e3
-    print(bench.format_table(workload, results, startup, bandwidth, roofline_ms))
+        if workload.num_requests == 1:
+            results.append(bench.run_hf(model_dir, dtype, workload, args.repeats, True))
+    report = bench.Report(
+        workload=workload,
+        results=results,
+        bandwidth_gbs=bench.measure_bandwidth_gbs(),
+        bytes_per_token=bytes_per_token,
+        gemm_gflops=bench.measure_gemm_gflops(dtype),
+        gemm_dtype=str(dtype).removeprefix("torch."),
+        flops=flops,
+        warm_start=warm,
+    )
+    print(bench.format_table(report))
     return 0
 
 
@@ -255,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare",
         choices=["hf"],
         default=None,
-        help="also run HF transformers eager generate in this process",
+        help="also run HF transformers in this process: eager generate, and for W-LAT "
+        "static-cache torch.compile too",
     )
     bench_p.add_argument("--repeats", type=int, default=3)
     bench_p.add_argument(

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+import torch
+
 from ember import LLM, bench
 
 
@@ -20,19 +23,41 @@ def test_bench_workloads_run_and_report(checkpoint_dir):
             for n, p in model.named_parameters()
             if "embed_tokens" not in n
         )
+        flops = bench.workload_flops(model, tiny)
+        cfg = model.config
+        linears = sum(
+            m.in_features * m.out_features
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and n != "lm_head"
+        )
+    tokens = 8 + 4 - 1
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * tokens * 12 / 2
+    head = 2 * cfg.hidden_size * cfg.vocab_size * 4
+    assert flops == pytest.approx(3 * (2 * linears * tokens + head + attention))
     hf = bench.run_hf(d, llm.config.dtype, tiny, repeats=1)
     assert ours.out_tok_s > 0 and ours.ttft_ms > 0 and ours.tpot_ms > 0 and len(ours.runs) == 2
-    assert hf.out_tok_s > 0
+    assert hf.out_tok_s > 0 and hf.startup_s is not None
     assert per_token == expected
-    table = bench.format_table(tiny, [ours, hf], 1.0, 20.0, 0.5)
-    assert "ratio ember/hf-eager" in table and "roofline" in table
+    report = bench.Report(tiny, [ours, hf], 20.0, per_token, 100.0, "float32", flops, False)
+    table = bench.format_table(report)
+    assert "ember vs hf-eager" in table and "compute roofline" in table and "cold" in table
+    assert "of it" not in table  # the batch-1 bandwidth roofline is only compared at batch 1
     lat = dataclasses.replace(tiny, num_requests=1)
-    assert "of it)" in bench.format_table(lat, [ours], 1.0, 20.0, 0.5)
-    assert "of it)" not in table
+    assert "of it" in bench.format_table(dataclasses.replace(report, workload=lat))
 
 
-def test_benchmark_suites_import_and_attention_smoke():
+def test_hf_static_compile_reference_runs(checkpoint_dir):
+    """The static-cache torch.compile HF baseline (W-LAT's second reference) runs and reports."""
+    d = checkpoint_dir("tiny-llama")
+    lat = dataclasses.replace(bench.WORKLOADS["lat"], prompt_len=8, output_len=4)
+    r = bench.run_hf(d, torch.float32, lat, repeats=1, static_compile=True)
+    assert r.engine == "hf-static-compile" and r.tpot_ms > 0 and r.startup_s > 0
+
+
+def test_benchmark_suites_import_and_attention_smoke(tmp_path):
     """The pytest-benchmark suites collect, and the op suites run once per case (no timing)."""
+    import os
     import subprocess
     import sys
 
@@ -57,8 +82,24 @@ def test_benchmark_suites_import_and_attention_smoke():
         timeout=600,
     )
     assert ops.returncode == 0, ops.stdout[-2000:]
+    # The end-to-end workload suite on a tiny shape: compiled ember and HF eager, fp32 W-LAT.
+    e2e = subprocess.run(
+        [*run, "benchmarks/bench_workloads.py", "-k", "float32 and lat", "-s"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "EMBER_BENCH_SHAPES": "tiny-llama", "XDG_CACHE_HOME": str(tmp_path)},
+    )
+    assert e2e.returncode == 0, e2e.stdout[-2000:]
+    assert "2 passed" in e2e.stdout and "out tok/s" in e2e.stdout
     collect = subprocess.run(
-        [*run, "--collect-only", "benchmarks/bench_embed.py", "benchmarks/bench_lora.py"],
+        [
+            *run,
+            "--collect-only",
+            "benchmarks/bench_embed.py",
+            "benchmarks/bench_lora.py",
+            "benchmarks/bench_workloads.py",
+        ],
         capture_output=True,
         text=True,
         timeout=600,

@@ -3,9 +3,9 @@
 Layout: `<cache_dir>/<key>/inductor/` is the inductor cache of that engine shape (FX graphs,
 AOTAutograd entries and the compiled C++ kernels), and `<cache_dir>/<key>/key.json` holds the
 readable parts of the key, written once every bucket compiled. The key covers everything the
-graphs depend on: model config, dtype, token-bucket ladder, block size, inductor settings,
-torch version, CPU ISA and ember's version. KV-cache size and max_model_len are dynamic graph
-dims, so they are not part of the key.
+graphs depend on: model config, dtype, weight quantization, token-bucket ladder, block size,
+inductor settings, torch version, CPU ISA and ember's version. KV-cache size and max_model_len
+are dynamic graph dims, so they are not part of the key.
 
 Why a whole inductor cache dir rather than `torch.compiler.save_cache_artifacts()`: measured on
 the tiny Llama, loading the portable artefacts into a fresh process still took 32.5 s of a 40 s
@@ -37,6 +37,7 @@ def key_parts(
     dynamic_graph: bool,
     attention_backend: str,
     lora: tuple[int, int] | None = None,
+    quantization: str | None = None,
 ) -> dict[str, Any]:
     from ember import __version__
 
@@ -55,6 +56,7 @@ def key_parts(
         "freezing": freezing,
         "attention_backend": attention_backend,
         "lora": list(lora) if lora else None,
+        "quantization": quantization,
         "torch": torch.__version__,
         "cpu_isa": torch.backends.cpu.get_cpu_capability(),
         "ember": __version__,

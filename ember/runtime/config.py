@@ -15,6 +15,7 @@ import torch
 
 from ember.attention import BACKEND_NAMES
 from ember.cpu import cpu_has_native_bf16
+from ember.quant import QUANTIZATIONS
 
 logger = logging.getLogger("ember")
 
@@ -59,7 +60,9 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None) ->
     elif isinstance(dtype, str) and dtype in _DTYPES:
         resolved = _DTYPES[dtype]
     else:
-        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
+        raise ValueError(
+            f"dtype must be one of auto, float32, bfloat16, float16, int8; got {dtype!r}"
+        )
     if resolved == torch.float16:
         warnings.warn("float16 is not supported on CPU; casting to bfloat16", stacklevel=3)
         resolved = torch.bfloat16
@@ -96,6 +99,9 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
+    # Weight-only quantization of every linear layer: None or "int8" (per-output-channel
+    # scales; activations, KV cache and math stay in `dtype`, which must be float32).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _check_range("kv_cache_gib", self.kv_cache_gib, 1e-6, 1024)
@@ -134,6 +140,22 @@ class EngineConfig:
                 "enable_lora=True cannot be combined with freeze_weights=True: adapter slots "
                 "change between steps and must not be folded into the graph"
             )
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATIONS:
+                raise ValueError(
+                    f"quantization must be None or one of {QUANTIZATIONS}, "
+                    f"got {self.quantization!r}"
+                )
+            if self.dtype != torch.float32:
+                raise ValueError(
+                    f"quantization={self.quantization!r} computes in float32; dtype must be "
+                    f"float32, got {self.dtype}"
+                )
+            if self.enable_lora or self.task != "generate":
+                raise ValueError(
+                    f"quantization={self.quantization!r} supports decoder-only LMs without "
+                    "LoRA (enable_lora=False)"
+                )
         if self.attention_backend not in BACKEND_NAMES[1:]:
             raise ValueError(
                 f"attention_backend must be one of {BACKEND_NAMES[1:]} once resolved, "

@@ -19,6 +19,7 @@ from ember.compiler.capture import kv_layer_shapes, load_model
 from ember.lora.adapter import LoRARequest
 from ember.lora.layers import install_lora
 from ember.lora.manager import LoRAManager
+from ember.quant import quantize_int8_
 from ember.runtime.batch import TokenLogprobs
 from ember.runtime.block_manager import BlockManager
 from ember.runtime.config import EngineConfig, KVCacheSpec
@@ -99,6 +100,8 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig, show_progress: bool = True) -> LLMEngine:
         """Load the model, size the KV cache and compile every bucket before returning."""
         model = load_model(config.model, config.dtype, config.attention_backend)
+        if config.quantization == "int8":
+            quantize_int8_(model)
         try:
             tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         except (OSError, ValueError, TypeError) as e:

@@ -41,6 +41,7 @@ def build_engine_config(
     enable_lora: bool = False,
     max_loras: int = 4,
     max_lora_rank: int = 16,
+    quantization: str | None = None,
 ) -> EngineConfig:
     """Resolve "auto" values against the checkpoint, then build the frozen config.
 
@@ -49,7 +50,11 @@ def build_engine_config(
     fold and prepack weights (helps static batched graphs; not cacheable). attention_backend:
     "auto" (the fastest usable here), "torch", "ipex" or "triton"; a backend that is missing
     or lacks a feature the model needs fails here, naming the backend and the feature.
+    quantization: "int8" stores every linear layer's weight as int8 with per-channel scales
+    (math in float32); `dtype="int8"` is shorthand for `dtype="float32", quantization="int8"`.
     """
+    if dtype == "int8":
+        dtype, quantization = "float32", "int8"
     hf_config = load_hf_config(model)
     task = model_task(hf_config)
     config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -86,6 +91,7 @@ def build_engine_config(
         enable_lora=enable_lora,
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,
+        quantization=quantization,
     )
 
 

@@ -300,6 +300,7 @@ class ModelRunner:
             len(self.graph_sizes) > len(self.buckets),
             self.config.attention_backend,
             (self.config.max_loras, self.config.max_lora_rank) if self.config.enable_lora else None,
+            self.config.quantization,
         )
         hit = cache_dir is not None and cache.lookup(cache_dir, parts)
         inductor_dir = cache.inductor_dir(cache_dir, parts) if cache_dir is not None else None

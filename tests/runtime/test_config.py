@@ -23,7 +23,7 @@ from ember.runtime.config import resolve_dtype
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
         (dict(max_model_len=0), "max_model_len"),
         (dict(max_model_len=10**6), "max_model_len"),
-        (dict(dtype="int8"), "dtype"),
+        (dict(dtype="int4"), "dtype"),
         (dict(kv_cache_gib=1e-5, max_model_len=2048), "kv_cache_gib"),
     ],
 )
