@@ -2,9 +2,9 @@
 
 `ember::paged_attention(query, key, value, kv_cache, slot_mapping, query_start_loc, seq_lens,
 block_tables, scale, sliding_window, softcap, causal)` writes this step's K/V into the layer's
-paged cache (mutated in place, declared in `mutates_args`, so functionalization does not copy the
-cache) and attends each sequence's new tokens over its context: decodes, prefill chunks and
-prefix hits in one call. Every backend's op has this contract:
+paged cache (mutated in place, declared `Tensor(a!)` in the schema, so functionalization does
+not copy the cache) and attends each sequence's new tokens over its context: decodes, prefill
+chunks and prefix hits in one call. Every backend's op has this contract:
 
     query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim];
     kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] (the backend's layout; mutated:
@@ -21,22 +21,20 @@ from __future__ import annotations
 import torch
 
 from ember.attention import torch_cpu
-
-paged_attention = torch.library.custom_op("ember::paged_attention", mutates_args=("kv_cache",))(
-    torch_cpu.paged_attention
-)
+from ember.library import define_op
 
 
-@paged_attention.register_fake
-def _(query, *args):
+def _paged_attention_fake(query: torch.Tensor, *args: object) -> torch.Tensor:
     return torch.empty_like(query)
 
 
-write_kv_cache = torch.library.custom_op("ember::write_kv_cache", mutates_args=("kv_cache",))(
-    torch_cpu.write_kv
-)
-
-
-@write_kv_cache.register_fake
-def _(kv_cache, key, value, slot_mapping):
+def _write_kv_fake(*args: object) -> None:
     return None
+
+
+paged_attention = define_op(
+    "paged_attention", torch_cpu.paged_attention, _paged_attention_fake, mutates_args=("kv_cache",)
+)
+write_kv_cache = define_op(
+    "write_kv_cache", torch_cpu.write_kv, _write_kv_fake, mutates_args=("kv_cache",)
+)

@@ -5,9 +5,13 @@ Cache layout per layer: `kv_cache [2, num_blocks, block_size, num_kv_heads, head
 so a sequence may read blocks that another sequence of the same step fills (prefix hits).
 
 One call handles a whole mixed batch with no Python loop over sequences:
-- decodes (one new token) are attended together: each sequence's context is gathered once from
-  its blocks and the query heads of a GQA group are folded into the query-length axis, so each
-  K/V head is read once for all the query heads that share it (no `repeat_interleave`);
+- the K/V writes and the decodes (one new token) go to `ember_cpu::paged_attention_cpu` (C++,
+  reading the blocks in place, `ember.kernels`) when it is built, unless the flash-decoding
+  split below applies; otherwise, and where no compiler is available, decodes are attended
+  together: each sequence's context is
+  gathered once from its blocks and the query heads of a GQA group are folded into the
+  query-length axis, so each K/V head is read once for all the query heads that share it (no
+  `repeat_interleave`);
   when there are fewer (sequence, K/V head) pairs than threads and the context is long, the
   context is split into partitions that are attended in parallel and merged by their
   log-sum-exp (flash-decoding);
@@ -24,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ember import kernels
 from ember.cpu import cpu_has_native_bf16
 
 
@@ -240,15 +245,37 @@ def paged_attention(
     causal: bool,
 ) -> torch.Tensor:
     """Write the step's K/V into `kv_cache`, then attend. Shapes: see `ember.attention.ops`."""
-    write_kv(kv_cache, key, value, slot_mapping)
-    out = torch.zeros(query.shape, dtype=compute_dtype(kv_cache.dtype))
+    if softcap <= 0 and kernels.available():
+        # K/V writes and all decodes in one C++ call (ember.kernels); the rest below.
+        out = torch.zeros(query.shape)
+        left = torch.ops.ember_cpu.paged_attention_cpu(
+            out,
+            query,
+            key,
+            value,
+            kv_cache,
+            slot_mapping,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            scale,
+            sliding_window,
+            _SPLIT_MIN_TOKENS,
+        )
+        if left == 0:
+            return out.to(query.dtype)
+        attend_decodes, attend_chunks = bool(left & 2), bool(left & 1)
+    else:
+        write_kv(kv_cache, key, value, slot_mapping)
+        out = torch.zeros(query.shape, dtype=compute_dtype(kv_cache.dtype))
+        attend_decodes = attend_chunks = True
     qsl = query_start_loc.long()
     q_lens = qsl[1:] - qsl[:-1]
     seq_lens = seq_lens.long()
     # A one-token bidirectional sequence (an encoder input of length 1) is a decode too.
     decodes = torch.nonzero(q_lens == 1).flatten()
     chunks = torch.nonzero(q_lens > 1).flatten()
-    if decodes.numel():
+    if attend_decodes and decodes.numel():
         _attend_decodes(
             out,
             query,
@@ -260,7 +287,7 @@ def paged_attention(
             sliding_window,
             softcap,
         )
-    if chunks.numel():
+    if attend_chunks and chunks.numel():
         _attend_chunks(
             out,
             query,

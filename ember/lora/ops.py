@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ember.library import define_op
+
 
 def _segments(slots: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
     """(slot, token rows) per slot in use; rows None when every token uses that slot."""
@@ -34,24 +36,22 @@ def _segment_matmul(x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor)
     return out
 
 
-@torch.library.custom_op("ember::lora_shrink", mutates_args=())
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def _lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """x [T, in], lora_a [max_loras, max_rank, in], slots [T] -> [T, max_rank] float32."""
     return _segment_matmul(x, lora_a, slots)
 
 
-@lora_shrink.register_fake
-def _(x, lora_a, slots):
-    return x.new_empty(x.shape[0], lora_a.shape[1], dtype=torch.float32)
-
-
-@torch.library.custom_op("ember::lora_expand", mutates_args=())
-def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def _lora_expand(h: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """h [T, max_rank], lora_b [max_loras, out, max_rank] (scaling folded in), slots [T]
     -> [T, out] float32."""
     return _segment_matmul(h, lora_b, slots)
 
 
-@lora_expand.register_fake
-def _(h, lora_b, slots):
-    return h.new_empty(h.shape[0], lora_b.shape[1], dtype=torch.float32)
+def _rows_by_weight_rows(
+    x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weights.shape[1], dtype=torch.float32)
+
+
+lora_shrink = define_op("lora_shrink", _lora_shrink, _rows_by_weight_rows)
+lora_expand = define_op("lora_expand", _lora_expand, _rows_by_weight_rows)

@@ -15,9 +15,11 @@ import torch
 
 from ember.attention import BACKEND_NAMES
 from ember.cpu import cpu_has_native_bf16
-from ember.quant import QUANTIZATIONS
 
 logger = logging.getLogger("ember")
+
+# Weight-only quantization schemes (`ember.quant`).
+QUANTIZATIONS = ("int8",)
 
 _DTYPES = {
     "float32": torch.float32,

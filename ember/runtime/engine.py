@@ -15,11 +15,12 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ember import kernels
 from ember.compiler.capture import kv_layer_shapes, load_model
 from ember.lora.adapter import LoRARequest
 from ember.lora.layers import install_lora
 from ember.lora.manager import LoRAManager
-from ember.quant import quantize_int8_
+from ember.quant import quantize_int8_, use_bf16_gemv_
 from ember.runtime.batch import TokenLogprobs
 from ember.runtime.block_manager import BlockManager
 from ember.runtime.config import EngineConfig, KVCacheSpec
@@ -102,6 +103,8 @@ class LLMEngine:
         model = load_model(config.model, config.dtype, config.attention_backend)
         if config.quantization == "int8":
             quantize_int8_(model)
+        elif config.dtype == torch.bfloat16 and kernels.available():
+            use_bf16_gemv_(model)
         try:
             tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         except (OSError, ValueError, TypeError) as e:

@@ -12,19 +12,34 @@ from ember.quant import Int8Linear, quantize_int8_
 from tests.conftest import make_prompts
 
 
+@pytest.mark.parametrize("in_features", [96, 100])  # 100: a tail past the SIMD width
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("tokens", [1, 7, 64])
-def test_int8_linear_matches_dequantised_reference(bias, tokens):
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 7, 9, 64])  # GEMV (<= 8 rows) and tiled paths
+def test_int8_linear_matches_dequantised_reference(bias, tokens, in_features):
     torch.manual_seed(0)
-    linear = nn.Linear(96, 40, bias=bias)
+    linear = nn.Linear(in_features, 300, bias=bias)  # 300: tiles of 128 rows plus a rest
     q = Int8Linear(linear)
-    x = torch.randn(2, tokens, 96)
+    x = torch.randn(1, tokens, in_features)
     dequant = q.weight_int8.float() * q.scales[:, None]
     ref = x @ dequant.T + (linear.bias if bias else 0)
     torch.testing.assert_close(q(x), ref, rtol=1e-5, atol=1e-5)
     # Per-channel int8 is within half a quantisation step of every weight.
     assert (dequant - linear.weight).abs().max() <= q.scales.max() / 2 + 1e-7
     assert torch.allclose(q(x), linear(x), atol=0.05)
+
+
+def test_woq_op_contract():
+    from torch.library import opcheck
+
+    torch.manual_seed(0)
+    q = Int8Linear(nn.Linear(64, 48))
+    for rows in (0, 1, 5, 12):
+        args = (torch.randn(rows, 64), q.weight_int8, q.scales, q.bias)
+        opcheck(torch.ops.ember_cpu.woq_int8_linear.default, args)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        torch.ops.ember_cpu.woq_int8_linear(
+            torch.randn(2, 64).bfloat16(), q.weight_int8, q.scales, None
+        )
 
 
 def test_quantize_replaces_every_linear_including_a_tied_head(checkpoint_dir):

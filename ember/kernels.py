@@ -1,0 +1,437 @@
+"""ember's own C++ CPU kernels, built once per machine with torch's cpp_extension and registered
+as aten-style ops (`torch.ops.ember_cpu.*`), so compiled graphs call them straight through the
+dispatcher.
+
+`ember_cpu::paged_attention_cpu(out, query, key, value, cache, slot_mapping, query_start_loc,
+seq_lens, block_tables, scale, sliding_window, split_min_tokens) -> flags`: the torch attention
+backend's common case in one call: writes the step's K/V, then attends every decode in place
+from the paged cache (fp32 or bf16), one (sequence, K/V head) per task, online softmax in fp32,
+the GQA group's query heads sharing each K/V row. Prefill chunks (and decodes that want the
+flash-decoding split) are left to the PyTorch code, as the returned flags say. It replaces
+about 20 small ATen calls per layer (write, gather, mask, SDPA, scatter) that cost ~0.45 ms
+per layer at batch 1.
+
+`ember_cpu::woq_int8_linear(x, w_int8, scales, bias?)`: y = (x @ w^T) * scales + bias, with x
+and y float32, w int8 [N, K] and one float32 scale per output channel. fp32 math throughout.
+- Up to `GEMV_MAX_ROWS` rows (decode steps): a fused GEMV. Each thread owns a range of output
+  channels and reads each int8 weight row once for all rows of x (four at a time), widening to
+  fp32 in registers, so a step reads 1 byte per weight. ATen's `_weight_int8pack_mm` has no
+  vectorised fp32-activation path (measured 1.16 ms vs 0.17 ms fp32 for 1x768 @ 768x2048).
+- More rows (prefill chunks, large batches): each thread widens a tile of weight rows into an
+  L2-sized fp32 buffer and runs one GEMM on it, so no full fp32 copy of the weight is written.
+
+Built with `-O3 -march=native` into `$XDG_CACHE_HOME/ember/kernels/<hash>`, keyed by source,
+flags, torch version and CPU ISA; a later process loads the built library (about 0.1 s).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+
+import torch
+
+logger = logging.getLogger("ember")
+
+GEMV_MAX_ROWS = 8
+TILE_ROWS = 128
+
+_SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGemvMaxRows = GEMV_MAX_ROWS;
+constexpr int64_t kTileRows = TILE_ROWS;
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+constexpr int64_t kLanes = 16;
+using vfloat = __m512;
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vfloat vwiden(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+inline vfloat vwiden(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
+#define EMBER_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+constexpr int64_t kLanes = 8;
+using vfloat = __m256;
+inline vfloat vzero() { return _mm256_setzero_ps(); }
+inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vfloat vwiden(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline vfloat vwiden(const c10::BFloat16* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vfloat v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+#define EMBER_SIMD 1
+#endif
+
+// y[m, n] for rows m0..m0+R-1 of x and channels n0..n1-1, C channels at a time: each weight
+// row is read once for all R rows and widened to fp32 in registers; the R*C independent
+// accumulators and C concurrent row streams keep enough loads in flight to approach memory
+// bandwidth (one row at a time reached about half of it).
+inline float to_float(float v) { return v; }
+inline float to_float(int8_t v) { return static_cast<float>(v); }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+template <int R, int C, typename W>
+inline void gemv_block(const float* x, const W* w, const float* scales, const float* bias,
+                       float* y, int64_t K, int64_t N, int64_t m0, int64_t n) {
+  const float* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * K;
+  const W* wr[C];
+  for (int c = 0; c < C; ++c) wr[c] = w + (n + c) * K;
+  float acc[R][C];
+  int64_t k = 0;
+#ifdef EMBER_SIMD
+  vfloat va[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) va[r][c] = vzero();
+  for (; k + kLanes <= K; k += kLanes) {
+    for (int c = 0; c < C; ++c) {
+      // The next block's rows: page-sized jumps the hardware prefetcher does not follow
+      // (measured on 85 llama-160m projections at batch 1: 8.2 -> 3.1-4.7 ms).
+      _mm_prefetch(reinterpret_cast<const char*>(wr[c] + k + C * K), _MM_HINT_T0);
+      if constexpr (sizeof(W) == 2)  // a vector of bf16 spans two cache lines per 64 bytes
+        _mm_prefetch(reinterpret_cast<const char*>(wr[c] + k + C * K) + 64, _MM_HINT_T0);
+      const vfloat wv = vwiden(wr[c] + k);
+      for (int r = 0; r < R; ++r) va[r][c] = vfma(vload(xr[r] + k), wv, va[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vsum(va[r][c]);
+#else
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = 0.f;
+#endif
+  for (; k < K; ++k) {
+    for (int c = 0; c < C; ++c) {
+      const float wv = to_float(wr[c][k]);
+      for (int r = 0; r < R; ++r) acc[r][c] += xr[r][k] * wv;
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const float b = bias ? bias[n + c] : 0.f;
+    const float sc = scales ? scales[n + c] : 1.f;
+    for (int r = 0; r < R; ++r) y[(m0 + r) * N + n + c] = acc[r][c] * sc + b;
+  }
+}
+
+template <int R, typename W>
+inline void gemv_rows(const float* x, const W* w, const float* scales, const float* bias,
+                      float* y, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+  constexpr int C = R <= 2 ? 4 : 2;  // R*C accumulators fit the vector registers (AVX2: 16)
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) gemv_block<R, C>(x, w, scales, bias, y, K, N, m0, n);
+  for (; n < n1; ++n) gemv_block<R, 1>(x, w, scales, bias, y, K, N, m0, n);
+}
+
+// y [M, N] = x [M, K] @ w^T (* scales) (+ bias), all fp32 but w; each thread owns a range of
+// output channels.
+template <typename W>
+void gemv(const float* xp, const W* wp, const float* sp, const float* bp, float* yp, int64_t M,
+          int64_t N, int64_t K) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) gemv_rows<4>(xp, wp, sp, bp, yp, K, N, m, n0, n1);
+    switch (M - m) {  // the rest in one more pass
+      case 3: gemv_rows<3>(xp, wp, sp, bp, yp, K, N, m, n0, n1); break;
+      case 2: gemv_rows<2>(xp, wp, sp, bp, yp, K, N, m, n0, n1); break;
+      case 1: gemv_rows<1>(xp, wp, sp, bp, yp, K, N, m, n0, n1); break;
+      default: break;
+    }
+  });
+}
+
+at::Tensor woq_int8_linear(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "woq_int8_linear: x must be float32");
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(),
+              "woq_int8_linear: w must be a contiguous int8 [N, K] tensor");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == w.size(0),
+              "woq_int8_linear: scales must be float32 [N]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x_in.size(-1) == K, "woq_int8_linear: x has ", x_in.size(-1), " features, w ", K);
+  at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  auto out_shape = x_in.sizes().vec();
+  out_shape.back() = N;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y.view(out_shape);
+  const float* xp = x.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  at::Tensor s = scales.contiguous();
+  const float* sp = s.data_ptr<float>();
+  at::Tensor b;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    bp = b.data_ptr<float>();
+  }
+  float* yp = y.data_ptr<float>();
+  if (M <= kGemvMaxRows) {
+    gemv(xp, wp, sp, bp, yp, M, N, K);
+    return y.view(out_shape);
+  }
+  // Tiled: widen kTileRows weight rows to fp32 in a per-thread buffer, GEMM them against all
+  // of x, scatter into y. Only out-of-place ops on the scratch tensors: inside a kernel they
+  // are inference tensors, which must not be updated in place through the dispatcher.
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    at::Tensor tile = at::empty({kTileRows, K}, x.options());
+    float* tp = tile.data_ptr<float>();
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* wr = wp + (n0 + r) * K;
+        float* dst = tp + r * K;
+        const float sc = sp[n0 + r];
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(wr[k]) * sc;
+      }
+      const at::Tensor part = at::mm(tile.narrow(0, 0, rows), x.t()).contiguous();  // [rows, M]
+      const float* pp = part.data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r) {
+        const float b = bp ? bp[n0 + r] : 0.f;
+        for (int64_t m = 0; m < M; ++m) yp[m * N + n0 + r] = pp[r * M + m] + b;
+      }
+    }
+  });
+  return y.view(out_shape);
+}
+
+// bf16 weights, fp32 math: small M through the fused GEMV (bf16 rows widened in registers);
+// larger M through ATen's bf16 GEMM (oneDNN: AMX / AVX512-BF16 where the CPU has them).
+at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& w,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
+              "bf16_linear: w must be a contiguous bf16 [N, K] tensor");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x_in.size(-1) == K, "bf16_linear: x has ", x_in.size(-1), " features, w ", K);
+  const int64_t M = x_in.numel() / K;
+  if (M > kGemvMaxRows || M == 0) return at::linear(x_in, w.to(x_in.scalar_type()), bias);
+  const at::Tensor x = x_in.reshape({M, K}).to(at::kFloat).contiguous();
+  at::Tensor b;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    bp = b.data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  gemv(x.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), nullptr, bp, y.data_ptr<float>(), M, N,
+       K);
+  auto out_shape = x_in.sizes().vec();
+  out_shape.back() = N;
+  return y.to(x_in.scalar_type()).view(out_shape);
+}
+
+// Decode attention straight from the paged cache: one (sequence, K/V head) per task, an online
+// softmax over its context, read block by block in place; the query heads of the GQA group
+// share each K/V row. q, out: [T, H, D] float32; cache: [2, num_blocks, block_size, Hkv, D].
+template <typename C>
+void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
+                    const std::vector<int64_t>& seqs, const int64_t* qsl, const int64_t* lens,
+                    const int64_t* tables, int64_t max_blocks, int64_t H, float sc,
+                    int64_t sliding_window) {
+  const int64_t NB = cache.size(1), BS = cache.size(2), Hkv = cache.size(3), D = cache.size(4);
+  const int64_t group = H / Hkv, n = static_cast<int64_t>(seqs.size());
+  const C* kp = cache.data_ptr<C>();
+  const C* vp = kp + NB * BS * Hkv * D;
+  at::parallel_for(0, n * Hkv, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> acc(group * D), qs(group * D), m(group), l(group), s(group);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t i = seqs[u / Hkv], h = u % Hkv, t = qsl[i], len = lens[i];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qr = qp + (t * H + h * group + g) * D;
+        for (int64_t d = 0; d < D; ++d) qs[g * D + d] = qr[d] * sc;
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t pos = first; pos < len; ++pos) {
+        const int64_t blk = tables[i * max_blocks + pos / BS];
+        const int64_t row = ((blk * BS + pos % BS) * Hkv + h) * D;
+        const C* kr = kp + row;
+        const C* vr = vp + row;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qs.data() + g * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qg[d] * to_float(kr[d]);
+          s[g] = dot;
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* ag = acc.data() + g * D;
+          if (s[g] > m[g]) {  // new maximum: rescale what is summed so far (one exp either way)
+            const float correction = std::exp(m[g] - s[g]);
+            m[g] = s[g];
+            l[g] = l[g] * correction + 1.f;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ag[d] = ag[d] * correction + to_float(vr[d]);
+          } else {
+            const float p = std::exp(s[g] - m[g]);
+            l[g] += p;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ag[d] += p * to_float(vr[d]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = op + (t * H + h * group + g) * D;
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+      }
+    }
+  });
+}
+
+// The torch backend's paged attention for the common case, in one call: write the step's K/V
+// into the cache, then attend every decode (one new token) in place from the blocks into
+// `out` (float32, zeros). Returns flags for what is left to the PyTorch code: 1 = prefill
+// chunks / prefix hits are present; 2 = the decodes were left for the flash-decoding split
+// (fewer (sequence, K/V head) tasks than threads over a context >= 2 * split_min_tokens).
+int64_t paged_attention_cpu(at::Tensor out, const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, at::Tensor cache,
+                            const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
+                            const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                            double scale, int64_t sliding_window, int64_t split_min_tokens) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && cache.is_contiguous(),
+              "paged_attention_cpu: out must be contiguous float32, the cache contiguous");
+  TORCH_CHECK(cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16,
+              "paged_attention_cpu: the cache must be float32 or bfloat16");
+  const int64_t Hkv = cache.size(3), D = cache.size(4), H = query.size(1);
+  const at::Tensor slots = slot_mapping.to(at::kLong);
+  cache.select(0, 0).view({-1, Hkv, D}).index_copy_(0, slots, key.to(cache.scalar_type()));
+  cache.select(0, 1).view({-1, Hkv, D}).index_copy_(0, slots, value.to(cache.scalar_type()));
+  const at::Tensor qsl_t = query_start_loc.to(at::kLong).contiguous();
+  const at::Tensor lens_t = seq_lens.to(at::kLong).contiguous();
+  const int64_t* qsl = qsl_t.data_ptr<int64_t>();
+  const int64_t* lens = lens_t.data_ptr<int64_t>();
+  std::vector<int64_t> decodes;
+  int64_t flags = 0, max_len = 0;
+  for (int64_t i = 0; i < lens_t.size(0); ++i) {
+    const int64_t q_len = qsl[i + 1] - qsl[i];
+    if (q_len == 1) {
+      decodes.push_back(i);
+      max_len = std::max(max_len, lens[i]);
+    } else if (q_len > 1) {
+      flags |= 1;
+    }
+  }
+  if (decodes.empty()) return flags;
+  const int64_t tasks = static_cast<int64_t>(decodes.size()) * Hkv;
+  if (tasks < at::get_num_threads() && max_len >= 2 * split_min_tokens) return flags | 2;
+  const at::Tensor q = query.to(at::kFloat).contiguous();
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const float sc = static_cast<float>(scale);
+  if (cache.scalar_type() == at::kFloat) {
+    attend_decodes<float>(out.data_ptr<float>(), q.data_ptr<float>(), cache, decodes, qsl, lens,
+                          tables.data_ptr<int64_t>(), tables.size(1), H, sc, sliding_window);
+  } else {
+    attend_decodes<c10::BFloat16>(out.data_ptr<float>(), q.data_ptr<float>(), cache, decodes,
+                                  qsl, lens, tables.data_ptr<int64_t>(), tables.size(1), H, sc,
+                                  sliding_window);
+  }
+  return flags;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ember_cpu, m) {
+  m.def("woq_int8_linear(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def(
+      "paged_attention_cpu(Tensor(a!) out, Tensor query, Tensor key, Tensor value, "
+      "Tensor(b!) cache, Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, "
+      "Tensor block_tables, float scale, int sliding_window, int split_min_tokens) -> int");
+}
+
+TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
+  m.impl("woq_int8_linear", &woq_int8_linear);
+  m.impl("bf16_linear", &bf16_linear);
+  m.impl("paged_attention_cpu", &paged_attention_cpu);
+}
+"""
+
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _source() -> str:
+    return _SOURCE.replace("GEMV_MAX_ROWS", str(GEMV_MAX_ROWS)).replace("TILE_ROWS", str(TILE_ROWS))
+
+
+@functools.cache
+def load() -> None:
+    """Build (first time on this machine) and load the kernels; registers `ember_cpu` ops.
+    Needs a C++ compiler, as inductor does; raises RuntimeError naming the build dir if the
+    build fails."""
+    import os
+
+    from torch.utils import cpp_extension
+
+    from ember.runtime.config import user_cache_dir
+
+    source = _source()
+    key = hashlib.sha256(
+        "\n".join(
+            [source, *_CFLAGS, torch.__version__, torch.backends.cpu.get_cpu_capability()]
+        ).encode()
+    ).hexdigest()[:16]
+    build_dir = user_cache_dir("kernels", f"ember_cpu-{key}")
+    os.makedirs(build_dir, exist_ok=True)
+    logger.info("loading ember_cpu kernels from %s (built on first use)", build_dir)
+    try:
+        cpp_extension.load_inline(
+            name=f"ember_cpu_{key}",
+            cpp_sources=[source],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=build_dir,
+            is_python_module=False,
+        )
+    except (RuntimeError, OSError, ImportError) as e:
+        raise RuntimeError(f"cannot build ember's C++ kernels in {build_dir}: {e}") from e
+
+    @torch.library.register_fake("ember_cpu::woq_int8_linear")
+    def _(x, w, scales, bias):  # noqa: ANN001, ANN202
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+    @torch.library.register_fake("ember_cpu::bf16_linear")
+    def _(x, w, bias):  # noqa: ANN001, ANN202
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@functools.cache
+def available() -> bool:
+    """True when the kernels are loaded; False (logged once) when they cannot be built here,
+    and callers with a pure-PyTorch path take it."""
+    try:
+        load()
+    except RuntimeError as e:
+        logger.warning("%s; using the PyTorch fallbacks", e)
+        return False
+    return True
