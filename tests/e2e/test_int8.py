@@ -14,7 +14,8 @@ from tests.conftest import make_prompts
 
 @pytest.mark.parametrize("in_features", [96, 100])  # 100: a tail past the SIMD width
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 7, 9, 64])  # GEMV (<= 8 rows) and tiled paths
+# GEMV (<= 8 rows), tiled (9-63 rows) and whole-weight widening (>= 64 rows) paths
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 7, 9, 63, 64, 130])
 def test_int8_linear_matches_dequantised_reference(bias, tokens, in_features):
     torch.manual_seed(0)
     linear = nn.Linear(in_features, 300, bias=bias)  # 300: tiles of 128 rows plus a rest
@@ -26,6 +27,16 @@ def test_int8_linear_matches_dequantised_reference(bias, tokens, in_features):
     # Per-channel int8 is within half a quantisation step of every weight.
     assert (dequant - linear.weight).abs().max() <= q.scales.max() / 2 + 1e-7
     assert torch.allclose(q(x), linear(x), atol=0.05)
+
+
+def test_widened_weight_buffer_is_reused_across_sizes():
+    """The prefill path's one widening buffer grows and is reused; results stay per weight."""
+    torch.manual_seed(0)
+    x = torch.randn(80, 64)
+    for out_features in (40, 300, 40):
+        q = Int8Linear(nn.Linear(64, out_features))
+        ref = x @ (q.weight_int8.float() * q.scales[:, None]).T + q.bias
+        torch.testing.assert_close(q(x), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_woq_op_contract():
