@@ -13,9 +13,7 @@ import pytest
 import torch
 
 from ember import LLM, LoRARequest
-from ember.bench import WORKLOADS, run_ember
-from ember.checkpoints import build_checkpoint
-from ember.runtime.config import user_cache_dir
+from ember.bench import WORKLOADS, bench_checkpoint, run_ember
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RESULTS: dict[tuple[str, str], float] = {}
@@ -23,9 +21,7 @@ RESULTS: dict[tuple[str, str], float] = {}
 
 @pytest.fixture(scope="module")
 def model_dir() -> str:
-    return build_checkpoint(
-        user_cache_dir("models", "llama-160m-float32"), "llama-160m", initializer_range=0.02
-    )
+    return bench_checkpoint("llama-160m")
 
 
 @pytest.fixture(scope="module")

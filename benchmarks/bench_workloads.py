@@ -20,22 +20,12 @@ import pytest
 import torch
 
 from ember import LLM
-from ember.bench import WORKLOADS, Result, run_ember, run_hf, summarize
-from ember.checkpoints import build_checkpoint
+from ember.bench import WORKLOADS, Result, bench_checkpoint, run_ember, run_hf, summarize
 from ember.cli import default_compile_cache_dir
-from ember.runtime.config import user_cache_dir
 
 SHAPES = os.environ.get("EMBER_BENCH_SHAPES", "llama-160m,qwen2-0.5b").split(",")
 DTYPES = ["float32", "bfloat16", "int8"]
 ROUNDS = 3
-
-
-def _checkpoint(shape: str, dtype: str) -> str:
-    weights = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    name = str(weights).removeprefix("torch.")
-    return build_checkpoint(
-        user_cache_dir("models", f"{shape}-{name}"), shape, dtype=weights, initializer_range=0.02
-    )
 
 
 def _record(benchmark, result: Result) -> None:
@@ -56,7 +46,7 @@ def _record(benchmark, result: Result) -> None:
 def bench_ember(benchmark, shape, dtype, workload):
     wl = WORKLOADS[workload]
     llm = LLM(
-        model=_checkpoint(shape, dtype),
+        model=bench_checkpoint(shape, dtype),
         dtype=dtype,
         use_tqdm=False,
         compile_cache_dir=default_compile_cache_dir(),
@@ -74,7 +64,7 @@ def bench_ember(benchmark, shape, dtype, workload):
 @pytest.mark.parametrize("shape", SHAPES)
 def bench_hf_eager(benchmark, shape, dtype, workload):
     wl = WORKLOADS[workload]
-    path = _checkpoint(shape, dtype)
+    path = bench_checkpoint(shape, dtype)
     weights = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     runs: list[Result] = []
     benchmark.pedantic(

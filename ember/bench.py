@@ -49,6 +49,22 @@ class Result:
     startup_s: float | None = None
 
 
+def bench_checkpoint(shape: str, dtype: str = "float32") -> str:
+    """The random-init checkpoint of `shape` the benchmarks run with engine dtype `dtype`:
+    stored in bf16 for "bfloat16", else in fp32 (an int8 engine quantises the fp32 one); built
+    once under the user cache dir."""
+    from ember.checkpoints import build_checkpoint
+    from ember.runtime.config import user_cache_dir
+
+    name = "bfloat16" if dtype == "bfloat16" else "float32"
+    return build_checkpoint(
+        user_cache_dir("models", f"{shape}-{name}"),
+        shape,
+        dtype=getattr(torch, name),
+        initializer_range=0.02,
+    )
+
+
 def prompts_for(workload: Workload, vocab_size: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     return [

@@ -181,20 +181,8 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ember import LLM, bench
-    from ember.checkpoints import build_checkpoint
 
-    if args.model:
-        model_dir = args.model
-    else:
-        import torch
-
-        dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-        model_dir = build_checkpoint(
-            user_cache_dir("models", f"{args.shape}-{str(dtype).removeprefix('torch.')}"),
-            args.shape,
-            dtype=dtype,
-            initializer_range=0.02,
-        )
+    model_dir = args.model or bench.bench_checkpoint(args.shape, args.dtype)
     workload = bench.WORKLOADS[args.workload]
     kwargs = _engine_kwargs(args)
     kwargs["compile_cache_dir"] = None if args.no_cache else default_compile_cache_dir()
