@@ -94,14 +94,26 @@ inline float vsum(vfloat v) {
 #define EMBER_SIMD 1
 #endif
 
-// y[m, n] for rows m0..m0+R-1 of x and channels n0..n1-1, C channels at a time: each weight
-// row is read once for all R rows and widened to fp32 in registers; the R*C independent
-// accumulators and C concurrent row streams keep enough loads in flight to approach memory
-// bandwidth (one row at a time reached about half of it).
 inline float to_float(float v) { return v; }
 inline float to_float(int8_t v) { return static_cast<float>(v); }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 
+// Rows n0..n0+rows-1 of the int8 weight, widened to fp32 and scaled, into dst [rows, K].
+inline void widen_rows(const int8_t* w, const float* scales, float* dst, int64_t n0,
+                       int64_t rows, int64_t K) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int8_t* wr = w + (n0 + r) * K;
+    float* d = dst + r * K;
+    const float sc = scales[n0 + r];
+#pragma omp simd
+    for (int64_t k = 0; k < K; ++k) d[k] = static_cast<float>(wr[k]) * sc;
+  }
+}
+
+// y[m, n] for rows m0..m0+R-1 of x and channels n0..n1-1, C channels at a time: each weight
+// row is read once for all R rows and widened to fp32 in registers; the R*C independent
+// accumulators and C concurrent row streams keep enough loads in flight to approach memory
+// bandwidth (one row at a time reached about half of it).
 template <int R, int C, typename W>
 inline void gemv_block(const float* x, const W* w, const float* scales, const float* bias,
                        float* y, int64_t K, int64_t N, int64_t m0, int64_t n) {
@@ -184,8 +196,7 @@ at::Tensor woq_int8_linear(const at::Tensor& x_in, const at::Tensor& w, const at
   const int64_t M = x.size(0);
   auto out_shape = x_in.sizes().vec();
   out_shape.back() = N;
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y.view(out_shape);
+  if (M == 0) return at::empty(out_shape, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
   at::Tensor s = scales.contiguous();
@@ -196,9 +207,9 @@ at::Tensor woq_int8_linear(const at::Tensor& x_in, const at::Tensor& w, const at
     b = bias->to(at::kFloat).contiguous();
     bp = b.data_ptr<float>();
   }
-  float* yp = y.data_ptr<float>();
   if (M <= kGemvMaxRows) {
-    gemv(xp, wp, sp, bp, yp, M, N, K);
+    at::Tensor y = at::empty({M, N}, x.options());
+    gemv(xp, wp, sp, bp, y.data_ptr<float>(), M, N, K);
     return y.view(out_shape);
   }
   if (M >= kWidenMinRows && N * K <= kWidenMaxElems) {
@@ -211,13 +222,7 @@ at::Tensor woq_int8_linear(const at::Tensor& x_in, const at::Tensor& w, const at
     }
     float* dp = widened.data_ptr<float>();
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) {
-        const int8_t* wr = wp + n * K;
-        float* dst = dp + n * K;
-        const float sc = sp[n];
-#pragma omp simd
-        for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(wr[k]) * sc;
-      }
+      widen_rows(wp, sp, dp + n0 * K, n0, n1 - n0, K);
     });
     const at::Tensor wt = widened.narrow(0, 0, N * K).view({N, K}).t();
     at::Tensor out = bp ? at::addmm(b, x, wt) : at::mm(x, wt);
@@ -226,19 +231,15 @@ at::Tensor woq_int8_linear(const at::Tensor& x_in, const at::Tensor& w, const at
   // Tiled: widen kTileRows weight rows to fp32 in a per-thread buffer, GEMM them against all
   // of x, scatter into y. Only out-of-place ops on the scratch tensors: inside a kernel they
   // are inference tensors, which must not be updated in place through the dispatcher.
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     at::Tensor tile = at::empty({kTileRows, K}, x.options());
     float* tp = tile.data_ptr<float>();
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int8_t* wr = wp + (n0 + r) * K;
-        float* dst = tp + r * K;
-        const float sc = sp[n0 + r];
-#pragma omp simd
-        for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(wr[k]) * sc;
-      }
+      widen_rows(wp, sp, tp, n0, rows, K);
       const at::Tensor part = at::mm(tile.narrow(0, 0, rows), x.t()).contiguous();  // [rows, M]
       const float* pp = part.data_ptr<float>();
       for (int64_t r = 0; r < rows; ++r) {
