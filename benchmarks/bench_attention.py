@@ -12,7 +12,7 @@ import torch
 
 from benchmarks.attention_cases import CASES, make_case
 from ember.attention import BackendUnavailableError, select_backend
-from ember.bench import measure_bandwidth_gbs
+from ember.tools.bench import measure_bandwidth_gbs
 
 # Each backend present here. Triton's CPU interpreter is a correctness tool, not a benchmark
 # subject: triton runs only on a GPU.

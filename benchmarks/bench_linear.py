@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ember.bench import measure_bandwidth_gbs
+from ember.tools.bench import measure_bandwidth_gbs
 
 # (name, in_features, out_features) of llama-160m's projections and LM head
 SHAPES = [("qkvo", 768, 768), ("up", 768, 3072), ("down", 3072, 768), ("lm_head", 768, 32000)]

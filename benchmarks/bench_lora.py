@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ember import LLM, LoRARequest
-from ember.bench import WORKLOADS, bench_checkpoint, run_ember
+from ember.tools.bench import WORKLOADS, bench_checkpoint, run_ember
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RESULTS: dict[tuple[str, str], float] = {}

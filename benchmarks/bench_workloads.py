@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from ember import LLM
-from ember.bench import WORKLOADS, Result, bench_checkpoint, run_ember, run_hf, summarize
 from ember.cli import default_compile_cache_dir
+from ember.tools.bench import WORKLOADS, Result, bench_checkpoint, run_ember, run_hf, summarize
 
 SHAPES = os.environ.get("EMBER_BENCH_SHAPES", "llama-160m,qwen2-0.5b").split(",")
 DTYPES = ["float32", "bfloat16", "int8"]

@@ -1,7 +1,7 @@
 """ember: a CPU-first LLM inference runtime built on torch.compile."""
 
 from ember.lora.adapter import LoRARequest
-from ember.runtime.config import EngineConfig
+from ember.runtime.config import EngineArgs, EngineConfig
 from ember.runtime.engine import LLMEngine
 from ember.runtime.llm import LLM
 from ember.runtime.outputs import (
@@ -11,18 +11,21 @@ from ember.runtime.outputs import (
     Logprob,
     RequestOutput,
 )
-from ember.runtime.request import SamplingParams
+from ember.runtime.request import RequestOutputKind, SamplingParams
+from ember.version import __version__
 
 __all__ = [
     "LLM",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
+    "EngineArgs",
     "EngineConfig",
     "LLMEngine",
     "LoRARequest",
     "Logprob",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
+    "__version__",
 ]
-__version__ = "0.1.0"

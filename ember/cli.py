@@ -3,85 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from ember.attention import BACKEND_NAMES
-from ember.runtime.buckets import DEFAULT_TOKEN_BUCKETS
-from ember.runtime.config import user_cache_dir
-from ember.runtime.llm import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_KV_CACHE_GIB,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
-)
+from ember.host import user_cache_dir
+from ember.runtime.config import EngineArgs
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        help="local HF checkpoint dir (default: a small random Llama "
-        "built once under the user cache dir)",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16", "int8"],
-        help="int8: weight-only int8 (per-channel scales), float32 activations and math",
-    )
-    p.add_argument("--kv-cache-gib", type=float, default=DEFAULT_KV_CACHE_GIB)
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
-    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="compile every shape bucket with torch.compile before serving",
-    )
-    p.add_argument(
-        "--token-buckets",
-        type=lambda s: tuple(int(x) for x in s.split(",")),
-        default=DEFAULT_TOKEN_BUCKETS,
-        help="comma-separated token counts with their own static graph (default 1)",
-    )
-    p.add_argument(
-        "--freeze-weights",
-        action="store_true",
-        help="let inductor fold and prepack weights (not cacheable)",
-    )
-    p.add_argument(
-        "--attention-backend",
-        choices=list(BACKEND_NAMES),
-        default="auto",
-        help="paged-attention backend (auto: the fastest usable here)",
-    )
+def _add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """The engine flags, one per `EngineArgs` field (`--model` defaults to a small random Llama
+    built once under the user cache dir)."""
+    EngineArgs.add_cli_args(p, skip)
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        dtype=args.dtype,
-        kv_cache_gib=args.kv_cache_gib,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        compile=args.compile,
-        token_buckets=args.token_buckets,
-        freeze_weights=args.freeze_weights,
-        attention_backend=args.attention_backend,
-    )
+def _engine_args(args: argparse.Namespace, model: str, **overrides: Any) -> EngineArgs:
+    return EngineArgs.from_cli_args(args, model=model, **overrides)
 
 
 def _resolve_model(model: str | None) -> str:
     if model:
         return model
-    from ember.checkpoints import build_checkpoint, default_model_dir
+    from ember.tools.checkpoints import build_checkpoint, default_model_dir
 
     path = default_model_dir()
     print(f"no --model given: using the small random-init Llama at {path}", file=sys.stderr)
@@ -92,11 +37,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ember import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(
-        model=_resolve_model(args.model),
-        compile_cache_dir=args.compile_cache_dir,
-        **_engine_kwargs(args),
-    )
+    engine_args = _engine_args(args, _resolve_model(args.model))
+    llm = LLM(**dataclasses.asdict(engine_args))
     load_s = time.perf_counter() - t0
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -133,7 +75,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
         print("ember embed: give --model DIR and at least one TEXT", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, use_tqdm=False, **_engine_kwargs(args))
+    llm = LLM(use_tqdm=False, **dataclasses.asdict(_engine_args(args, args.model)))
     load_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     outs = llm.embed(args.text, use_tqdm=False)
@@ -163,10 +105,11 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     from ember import LLM
 
     cache_dir = args.cache_dir or default_compile_cache_dir()
-    kwargs = _engine_kwargs(args)
-    kwargs.update(compile=True, compile_cache_dir=cache_dir)
+    engine_args = _engine_args(
+        args, _resolve_model(args.model), compile=True, compile_cache_dir=cache_dir
+    )
     t0 = time.perf_counter()
-    llm = LLM(model=_resolve_model(args.model), **kwargs)
+    llm = LLM(**dataclasses.asdict(engine_args))
     seconds = time.perf_counter() - t0
     engine = llm.llm_engine
     state = "loaded from cache" if engine.compile_cache_hit else "compiled and saved"
@@ -180,14 +123,15 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ember import LLM, bench
+    from ember import LLM
+    from ember.tools import bench
 
     model_dir = args.model or bench.bench_checkpoint(args.shape, args.dtype)
     workload = bench.WORKLOADS[args.workload]
-    kwargs = _engine_kwargs(args)
-    kwargs["compile_cache_dir"] = None if args.no_cache else default_compile_cache_dir()
+    cache_dir = None if args.no_cache else default_compile_cache_dir()
+    engine_args = _engine_args(args, model_dir, compile_cache_dir=cache_dir)
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir, use_tqdm=False, **kwargs)
+    llm = LLM(use_tqdm=False, **dataclasses.asdict(engine_args))
     startup = time.perf_counter() - t0
     results = [bench.run_ember(llm, workload, args.repeats)]
     results[0].startup_s = startup
@@ -228,11 +172,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sample-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument(
-        "--compile-cache-dir",
-        default=None,
-        help="load compiled graphs saved by `ember warmup` from this dir",
-    )
     gen.set_defaults(func=cmd_generate)
     emb = sub.add_parser("embed", help="embed texts; print norms and pairwise cosine similarity")
     _add_engine_args(emb)
@@ -243,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile every shape bucket ahead of time and save "
         "the compile artefacts, so a later engine starts warm",
     )
-    _add_engine_args(warm)
+    _add_engine_args(warm, skip=("compile", "compile_cache_dir"))
     warm.add_argument(
         "--cache-dir",
         default=None,
@@ -251,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     warm.set_defaults(func=cmd_warmup)
     bench_p = sub.add_parser("bench", help="run a standard workload (W-THRU, W-LAT)")
-    _add_engine_args(bench_p)
+    _add_engine_args(bench_p, skip=("compile_cache_dir",))
     bench_p.add_argument("--workload", choices=["thru", "lat"], default="lat")
     bench_p.add_argument(
         "--shape",

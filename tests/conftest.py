@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # before anything else; export TRITON_INTERPRET=0 on a GPU machine to run the real kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ember.checkpoints import build_checkpoint  # noqa: E402
+from ember.tools.checkpoints import build_checkpoint  # noqa: E402
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral"]
 
@@ -73,7 +73,7 @@ def gib_for_blocks(
     model_dir: str, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32
 ) -> float:
     """kv_cache_gib that yields exactly `num_blocks` blocks (one is the reserved null block)."""
-    from ember.compiler.capture import kv_geometry, load_hf_config
+    from ember.compiler.hf_config import kv_geometry, load_hf_config
     from ember.runtime.config import KVCacheSpec
 
     layers, kv_heads, head_dim = kv_geometry(load_hf_config(model_dir))

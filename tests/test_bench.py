@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from ember import LLM, bench
+from ember import LLM
+from ember.tools import bench
 
 
 def test_bench_workloads_run_and_report(checkpoint_dir):

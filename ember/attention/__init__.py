@@ -1,7 +1,8 @@
 """Attention backends: a registry of paged-attention implementations behind one op signature.
 
-Every backend provides a custom op with the signature of `ember::paged_attention`
-(see `ember.attention.ops`), a KV-cache layout, an availability check and a feature check.
+Every backend module defines a custom op with the contract of `ember.attention.ops`, and may
+define `release()` to free per-process scratch memory; its registry entry gives the KV-cache
+layout, an availability check and a feature check.
 Backends whose libraries are optional ("ipex", "triton") are imported only when selected.
 The model's attention features are checked at load time, so a model a backend cannot run fails
 before any weights are touched, with a message naming the backend and the feature.
@@ -29,7 +30,6 @@ class BackendUnavailableError(ValueError):
 class AttentionFeatures:
     """What a model needs from its attention backend."""
 
-    head_dims: tuple[int, ...]
     kv_dtype: torch.dtype
     sliding_window: bool = False
     softcap: bool = False
@@ -64,6 +64,12 @@ class AttentionBackend:
     def load_op(self) -> Callable[..., torch.Tensor]:
         importlib.import_module(self.module)  # registers torch.ops.ember.<op_name>
         return getattr(torch.ops.ember, self.op_name)
+
+    def release(self) -> None:
+        """Free the backend's per-process scratch memory (an engine closed), if it keeps any."""
+        release = getattr(importlib.import_module(self.module), "release", None)
+        if release is not None:
+            release()
 
     def unsupported(self, features: AttentionFeatures) -> str | None:
         """Why this backend cannot run a model with `features`, or None."""
@@ -122,7 +128,7 @@ def register_backend(backend: AttentionBackend) -> None:
 register_backend(
     AttentionBackend(
         name="torch",
-        module="ember.attention.ops",
+        module="ember.attention.torch_cpu",
         op_name="paged_attention",
         kv_dtypes=(torch.float32, torch.bfloat16),
         softcap=True,
@@ -156,8 +162,9 @@ register_backend(
     )
 )
 
-# "auto" on CPU: IPEX's kernels when they load, else the torch backend. On a GPU: triton.
-_AUTO_ORDER = {"cpu": ("ipex", "torch"), "cuda": ("triton", "torch")}
+# "auto": IPEX's kernels when they load, else the torch backend (ember runs on CPUs; the triton
+# backend is chosen by name).
+_AUTO_ORDER = ("ipex", "torch")
 
 
 def get_backend(name: str) -> AttentionBackend:
@@ -166,17 +173,15 @@ def get_backend(name: str) -> AttentionBackend:
     return _REGISTRY[name]
 
 
-def select_backend(
-    name: str, features: AttentionFeatures | None = None, device: str = "cpu"
-) -> AttentionBackend:
-    """The backend for `name` ("auto" picks the first usable one for `device`).
+def select_backend(name: str, features: AttentionFeatures | None = None) -> AttentionBackend:
+    """The backend for `name` ("auto" picks the first usable one).
 
     Raises BackendUnavailableError naming the backend and why (library missing, or a model
     feature it lacks).
     """
     if name == "auto":
         reasons = []
-        for candidate in _AUTO_ORDER.get(device, ("torch",)):
+        for candidate in _AUTO_ORDER:
             backend = _REGISTRY[candidate]
             why = backend.unavailable() or (features and backend.unsupported(features))
             if not why:

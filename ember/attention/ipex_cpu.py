@@ -15,10 +15,12 @@ from __future__ import annotations
 import intel_extension_for_pytorch as ipex
 import torch
 
+from ember.attention.ops import paged_attention_fake
+from ember.kernels.library import define_op
+
 _paged = ipex.llm.modules.PagedAttention
 
 
-@torch.library.custom_op("ember::paged_attention_ipex", mutates_args=("kv_cache",))
 def paged_attention_ipex(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -88,6 +90,6 @@ def paged_attention_ipex(
     return out
 
 
-@paged_attention_ipex.register_fake
-def _(query, key, value, kv_cache, *args):
-    return torch.empty_like(query)
+paged_attention_ipex_op = define_op(
+    "paged_attention_ipex", paged_attention_ipex, paged_attention_fake, mutates_args=("kv_cache",)
+)

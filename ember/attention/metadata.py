@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+# Block 0 of every layer's cache: the null block. Padding tokens write into it and padded
+# block-table entries point at it; the block manager never hands it out.
+NULL_BLOCK = 0
 
 
 @dataclass(frozen=True)
@@ -36,13 +41,13 @@ class AttentionMetadata:
 def build_attention_metadata(
     num_computed: list[int],
     num_new: list[int],
-    block_tables: list[tuple[int, ...]],
+    block_tables: Sequence[Sequence[int]],
     block_size: int,
     max_blocks: int,
     num_tokens_padded: int,
     num_seqs_padded: int,
     cross_lens: list[int] | None = None,
-    cross_tables: list[tuple[int, ...]] | None = None,
+    cross_tables: Sequence[Sequence[int]] | None = None,
     max_cross_blocks: int = 0,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Build metadata and `positions [num_tokens_padded]` for sequences laid end to end
@@ -65,8 +70,10 @@ def build_attention_metadata(
         qsl[i] = start
         seq_lens[i] = c + n
         start += n
-    # Padding tokens write round-robin into the null block (block 0).
-    slots[num_tokens:] = np.arange(num_tokens_padded - num_tokens) % block_size
+    # Padding tokens write round-robin into the null block.
+    slots[num_tokens:] = (
+        NULL_BLOCK * block_size + np.arange(num_tokens_padded - num_tokens) % block_size
+    )
     cross_seq_lens = cross_block_tables = None
     if cross_lens is not None and cross_tables is not None:
         cross_seq_lens = torch.zeros(num_seqs_padded, dtype=torch.int32)

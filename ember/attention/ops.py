@@ -1,10 +1,10 @@
-"""The "torch" backend's custom ops. Opaque to torch.compile; their fake impls derive shapes only.
+"""The paged-attention op contract every backend implements, and the shared K/V writer.
 
-`ember::paged_attention(query, key, value, kv_cache, slot_mapping, query_start_loc, seq_lens,
+`ember::paged_attention*(query, key, value, kv_cache, slot_mapping, query_start_loc, seq_lens,
 block_tables, scale, sliding_window, softcap, causal)` writes this step's K/V into the layer's
 paged cache (mutated in place, declared `Tensor(a!)` in the schema, so functionalization does
 not copy the cache) and attends each sequence's new tokens over its context: decodes, prefill
-chunks and prefix hits in one call. Every backend's op has this contract:
+chunks and prefix hits in one call. Shapes:
 
     query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim];
     kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] (the backend's layout; mutated:
@@ -12,29 +12,42 @@ chunks and prefix hits in one call. Every backend's op has this contract:
     seq_lens [num_seqs]; block_tables [num_seqs, max_blocks]. sliding_window 0 and softcap 0
     mean off. Returns [num_tokens, num_heads, head_dim]; rows of padding tokens are zero.
 
-`ember::write_kv_cache(kv_cache, key, value, slot_mapping)` only writes K/V: the cross-attention
-K/V of encoder-decoder models, computed once per request from the encoder output.
+Each backend module defines its op with `paged_attention_fake` beside it (the torch backend:
+`ember::paged_attention`). This module imports no backend.
+
+`ember::write_kv_cache(kv_cache, key, value, slot_mapping)` only writes K/V (default layout):
+the cross-attention K/V of encoder-decoder models, computed once per request from the encoder
+output.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ember.attention import torch_cpu
-from ember.library import define_op
+from ember.kernels.library import define_op
 
 
-def _paged_attention_fake(query: torch.Tensor, *args: object) -> torch.Tensor:
+def paged_attention_fake(query: torch.Tensor, *args: object) -> torch.Tensor:
+    """Shape function of every backend's paged-attention op."""
     return torch.empty_like(query)
+
+
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter `key`/`value [num_tokens, num_kv_heads, head_dim]` into their slots of
+    `kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]`."""
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(
+        0, slot_mapping, key.to(kv_cache.dtype)
+    )
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(
+        0, slot_mapping, value.to(kv_cache.dtype)
+    )
 
 
 def _write_kv_fake(*args: object) -> None:
     return None
 
 
-paged_attention = define_op(
-    "paged_attention", torch_cpu.paged_attention, _paged_attention_fake, mutates_args=("kv_cache",)
-)
-write_kv_cache = define_op(
-    "write_kv_cache", torch_cpu.write_kv, _write_kv_fake, mutates_args=("kv_cache",)
-)
+write_kv_cache = define_op("write_kv_cache", write_kv, _write_kv_fake, mutates_args=("kv_cache",))

@@ -1,4 +1,5 @@
-"""The "torch" CPU backend of paged attention: vectorised PyTorch ops over the paged cache.
+"""The "torch" CPU backend of paged attention (`ember::paged_attention`, contract in
+`ember.attention.ops`): ember's C++ decode kernel plus vectorised PyTorch ops over the paged cache.
 
 Cache layout per layer: `kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]`
 (index 0 = keys, 1 = values). All new K/V of the step are written before any sequence reads,
@@ -28,21 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from ember import kernels
-from ember.cpu import cpu_has_native_bf16
-
-
-def write_kv(
-    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Scatter `key`/`value [num_tokens, num_kv_heads, head_dim]` into their slots."""
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(
-        0, slot_mapping, key.to(kv_cache.dtype)
-    )
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(
-        0, slot_mapping, value.to(kv_cache.dtype)
-    )
-
+from ember.attention.ops import paged_attention_fake, write_kv
+from ember.host import cpu_has_native_bf16
+from ember.kernels.library import define_op
 
 # Gather destinations, reused across calls and layers: a fresh multi-MB tensor per call is
 # page-faulted in every time (measured: index_select of 33 MB, 17.2 ms into a new tensor vs
@@ -60,8 +49,8 @@ def _scratch_rows(name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.
     return buf[: rows * cols].view(rows, cols)
 
 
-def release_scratch() -> None:
-    """Free the gather buffers (called when an engine closes)."""
+def release() -> None:
+    """Free the gather buffers (an engine closed; see `AttentionBackend.release`)."""
     _scratch.clear()
 
 
@@ -147,7 +136,7 @@ def _attend_decodes(
     length = int(seq_lens.max())
     nb = -(-length // block_size)
     parts = _decode_partitions(n * num_kv_heads, length) if softcap <= 0 else 1
-    nb = -(-nb // parts) * parts  # whole blocks per partition; extra columns are block 0
+    nb = -(-nb // parts) * parts  # whole blocks per partition; extra columns: the null block
     tables = tables[:, :nb]
     if tables.shape[1] < nb:
         tables = F.pad(tables, (0, nb - tables.shape[1]))
@@ -301,3 +290,8 @@ def paged_attention(
             causal,
         )
     return out.to(query.dtype)
+
+
+paged_attention_op = define_op(
+    "paged_attention", paged_attention, paged_attention_fake, mutates_args=("kv_cache",)
+)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from ember.attention.torch_cpu import write_kv
+from ember.attention.ops import paged_attention_fake, write_kv
 
 
 @triton.jit
@@ -169,6 +169,4 @@ def paged_attention_triton(
     return out
 
 
-@paged_attention_triton.register_fake
-def _(query, key, value, kv_cache, *args):
-    return torch.empty_like(query)
+paged_attention_triton.register_fake(paged_attention_fake)

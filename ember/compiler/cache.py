@@ -23,24 +23,25 @@ from typing import Any
 
 import torch
 
+from ember.compiler.loader import LoadedModel
+from ember.version import __version__
+
 logger = logging.getLogger("ember")
 
 KEY_FILE = "key.json"
 
 
 def key_parts(
-    hf_config: Any,
-    dtype: torch.dtype,
+    loaded: LoadedModel,
     buckets: tuple[int, ...],
     block_size: int,
     freezing: bool,
     dynamic_graph: bool,
-    attention_backend: str,
-    lora: tuple[int, int] | None = None,
-    quantization: str | None = None,
 ) -> dict[str, Any]:
-    from ember import __version__
-
+    """The key of the graphs of `loaded` (as the loader built it: dtype, quantization, attention
+    backend, LoRA slots) run with this bucket ladder, block size and inductor settings."""
+    hf_config = loaded.spec.hf_config
+    lora = loaded.lora
     model = json.loads(hf_config.to_json_string(use_diff=False))
     for volatile in ("_name_or_path", "transformers_version", "_attn_implementation_autoset"):
         model.pop(volatile, None)
@@ -49,14 +50,14 @@ def key_parts(
             json.dumps(model, sort_keys=True).encode()
         ).hexdigest(),
         "architecture": (getattr(hf_config, "architectures", None) or ["?"])[0],
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
         "buckets": list(buckets),
         "dynamic_graph": dynamic_graph,
         "block_size": block_size,
         "freezing": freezing,
-        "attention_backend": attention_backend,
-        "lora": list(lora) if lora else None,
-        "quantization": quantization,
+        "attention_backend": loaded.attention_backend,
+        "lora": [lora.max_loras, lora.max_rank] if lora else None,
+        "quantization": loaded.quantization,
         "torch": torch.__version__,
         "cpu_isa": torch.backends.cpu.get_cpu_capability(),
         "ember": __version__,

@@ -94,8 +94,10 @@ class LoRAManager:
             self.resident[lora_id] = slot
         return {i: self.resident[i] for i in lora_ids}
 
-    def set_token_slots(self, slots_per_token: list[int]) -> None:
-        """Fill the shared per-token slot buffer for the next forward (-1 past the tokens)."""
-        n = len(slots_per_token)
-        self.token_slots[:n] = torch.tensor(slots_per_token, dtype=torch.long)
+    def set_token_slots(self, slots: torch.Tensor | None) -> None:
+        """Copy a step's per-token slots (`ForwardBatch.lora_slots`) into the buffer every
+        wrapper reads during the next forward (-1 past the tokens)."""
+        n = 0 if slots is None else slots.shape[0]
+        if slots is not None:
+            self.token_slots[:n] = slots
         self.token_slots[n:] = -1

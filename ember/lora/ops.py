@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ember.library import define_op
+from ember.kernels.library import define_op
 
 
 def _segments(slots: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:

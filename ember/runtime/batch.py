@@ -1,11 +1,15 @@
-"""Per-step plans (what to run) and runner results. Plain Python, immutable."""
+"""What one step runs: `StepPlan` (plain Python, built by the scheduler or by the runner's warm-up)
+and `ForwardBatch` (the tensors a forward consumes), with the one function that builds the
+latter from the former (`build_forward_batch`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from ember.attention.metadata import NULL_BLOCK, AttentionMetadata, build_attention_metadata
 from ember.runtime.request import SamplingParams
 
 
@@ -15,24 +19,28 @@ class ScheduledRequest:
 
     `token_ids` are the `num_new_tokens` tokens computed this step, starting at position
     `num_computed_tokens`; `block_ids` is the request's whole block table. `sample` is True when
-    this step reaches the end of the request's tokens, so a new token is sampled.
+    this step reaches the end of the request's tokens, so a new token is sampled; `pool` when
+    the request is an embedding (its whole prompt runs in this step and is pooled).
+    `prompt_token_ids`/`output_token_ids`/`block_ids` are read-only views of the request's own
+    lists (valid for this step; never copied per step), for the sampler's penalties.
     """
 
     request_id: str
     num_computed_tokens: int
     token_ids: tuple[int, ...]
-    block_ids: tuple[int, ...]
+    block_ids: Sequence[int]
     sample: bool
-    params: SamplingParams
-    generator: torch.Generator
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator | None = None
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
     # Encoder-decoder only: the encoder input (set on the step that must run the encoder),
     # the blocks holding the cross-attention K/V, and the encoder length.
     encoder_token_ids: tuple[int, ...] = ()
-    cross_block_ids: tuple[int, ...] = ()
+    cross_block_ids: Sequence[int] = ()
     num_encoder_tokens: int = 0
     lora_id: int | None = None
+    pool: bool = False
 
     @property
     def num_new_tokens(self) -> int:
@@ -41,7 +49,11 @@ class ScheduledRequest:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Everything one engine step computes: decodes first, then prefill chunks."""
+    """Everything one step computes: decodes first, then prefill chunks (and embeddings).
+
+    Steps that are not engine steps are plans too: an encoder pass (`encoder_plan`), and the
+    warm-up's dummy steps (`warmup_plan`).
+    """
 
     requests: tuple[ScheduledRequest, ...]
     preempted_ids: tuple[str, ...] = ()
@@ -53,6 +65,110 @@ class StepPlan:
     @property
     def num_seqs(self) -> int:
         return len(self.requests)
+
+    def select(self, pool: bool) -> StepPlan:
+        """The sub-plan of requests whose `pool` flag equals `pool`."""
+        return StepPlan(tuple(r for r in self.requests if r.pool == pool))
+
+
+def encoder_plan(plan: StepPlan) -> StepPlan:
+    """The encoder pass of the requests admitted in `plan`: each request's whole encoder input,
+    its scratch K/V written into its own cross blocks."""
+    return StepPlan(
+        tuple(
+            ScheduledRequest(r.request_id, 0, r.encoder_token_ids, r.cross_block_ids, False)
+            for r in plan.requests
+            if r.encoder_token_ids
+        )
+    )
+
+
+def warmup_plan(num_tokens: int, chunk: int, block_size: int, cross: bool = False) -> StepPlan:
+    """Dummy prefills totalling `num_tokens`, each at most `chunk` tokens, all in the null block
+    (which real requests never read). `cross`: each with a one-token encoder context."""
+    sizes = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
+    return StepPlan(
+        tuple(
+            ScheduledRequest(
+                f"warmup-{i}",
+                0,
+                (0,) * n,
+                (NULL_BLOCK,) * -(-n // block_size),
+                False,
+                cross_block_ids=(NULL_BLOCK,) if cross else (),
+                num_encoder_tokens=1 if cross else 0,
+            )
+            for i, n in enumerate(sizes)
+        )
+    )
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """The tensors one forward consumes, padded to a bucket.
+
+    input_ids [num_tokens], positions [num_tokens], logits_indices [num_seqs] (the last token
+    of each sequence; padding sequences point at row 0 and are dropped), lora_slots
+    [num_tokens] (the adapter slot of each token, -1 for none; None without LoRA).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+    lora_slots: torch.Tensor | None = field(default=None)
+
+
+def build_forward_batch(
+    plan: StepPlan,
+    block_size: int,
+    max_blocks: int,
+    num_tokens_padded: int,
+    num_seqs_padded: int,
+    max_cross_blocks: int = 0,
+    lora_slot_of: dict[int, int] | None = None,
+) -> ForwardBatch:
+    """Lay the plan's requests end to end in one token stream, padded to the given sizes.
+
+    `max_cross_blocks` > 0: a decoder step of an encoder-decoder model, with each request's
+    cross context. `lora_slot_of` (lora id -> resident slot): give the batch per-token slots.
+    """
+    reqs = plan.requests
+    num_new = [r.num_new_tokens for r in reqs]
+    cross: dict = {}
+    if max_cross_blocks:
+        cross = dict(
+            cross_lens=[r.num_encoder_tokens for r in reqs],
+            cross_tables=[r.cross_block_ids for r in reqs],
+            max_cross_blocks=max_cross_blocks,
+        )
+    meta, positions = build_attention_metadata(
+        num_computed=[r.num_computed_tokens for r in reqs],
+        num_new=num_new,
+        block_tables=[r.block_ids for r in reqs],
+        block_size=block_size,
+        max_blocks=max_blocks,
+        num_tokens_padded=num_tokens_padded,
+        num_seqs_padded=num_seqs_padded,
+        **cross,
+    )
+    input_ids = torch.zeros(num_tokens_padded, dtype=torch.long)
+    input_ids[: plan.num_tokens] = torch.tensor(
+        [t for r in reqs for t in r.token_ids], dtype=torch.long
+    )
+    logits_indices = torch.zeros(num_seqs_padded, dtype=torch.long)
+    logits_indices[: len(reqs)] = torch.tensor(num_new).cumsum(0) - 1
+    lora_slots = None
+    if lora_slot_of is not None:
+        lora_slots = torch.tensor(
+            [
+                lora_slot_of.get(r.lora_id, -1) if r.lora_id is not None else -1
+                for r in reqs
+                for _ in range(r.num_new_tokens)
+            ],
+            dtype=torch.long,
+        )
+    return ForwardBatch(input_ids, positions, meta, logits_indices, lora_slots)
 
 
 @dataclass(frozen=True)
@@ -66,7 +182,9 @@ class TokenLogprobs:
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    """Sampled token (and optional logprobs) per request that sampled this step."""
+    """Per request of the step: the sampled token (and optional logprobs) of each request that
+    sampled, the pooled embedding of each embedding request."""
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
+    pooled: dict[str, list[float]] = field(default_factory=dict)

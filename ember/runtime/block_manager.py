@@ -1,6 +1,6 @@
 """KV block pool: free list, ref counts, prefix-cache hashes and LRU eviction. No tensors.
 
-Block 0 is reserved as the dummy block that padding tokens write to; it is never handed out.
+The null block (`NULL_BLOCK`, block 0), which padding tokens write to, is never handed out.
 A block whose ref count drops to zero stays in the prefix cache (if it was full and hashed)
 until the allocator evicts it, least recently freed first.
 
@@ -16,7 +16,9 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-NULL_BLOCK = 0
+from ember.attention.metadata import NULL_BLOCK
+
+__all__ = ["NULL_BLOCK", "BlockManager", "hash_block"]
 
 
 def hash_block(parent: bytes, token_ids: list[int], extra: bytes = b"") -> bytes:

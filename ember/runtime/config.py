@@ -1,25 +1,26 @@
-"""Frozen engine configuration, validated on construction.
+"""Engine settings: `EngineArgs`, the one user-facing argument layer (vLLM's EngineArgs), with
+each default stated once, resolved against the checkpoint into the frozen `EngineConfig`.
 
-"auto" values (dtype, max_model_len) are resolved by `resolve_engine_config` before the frozen
-`EngineConfig` is built; nothing patches a config afterwards.
+`LLM(...)` takes `EngineArgs`' fields as keywords and the CLI derives its flags from them
+(`add_cli_args` / `from_cli_args`). "auto" values (dtype, attention backend, max_model_len) are
+resolved in `EngineArgs.create_engine_config`; nothing patches a config afterwards.
 """
 
 from __future__ import annotations
 
-import logging
-import os
+import argparse
+import dataclasses
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from ember.attention import BACKEND_NAMES
-from ember.cpu import cpu_has_native_bf16
-
-logger = logging.getLogger("ember")
-
-# Weight-only quantization schemes (`ember.quant`).
-QUANTIZATIONS = ("int8",)
+from ember.attention import BACKEND_NAMES, select_backend
+from ember.compiler.hf_config import ModelSpec, read_model_spec
+from ember.compiler.quant import QUANTIZATIONS
+from ember.host import cpu_has_native_bf16
+from ember.runtime.pooling import max_seq_length
 
 _DTYPES = {
     "float32": torch.float32,
@@ -30,13 +31,147 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 
-def user_cache_dir(*parts: str) -> str:
-    """`$XDG_CACHE_HOME/ember/...` (default `~/.cache/ember/...`): checkpoints ember builds and
-    compile caches."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "ember", *parts)
+def _help(text: str, **extra: Any) -> Any:
+    """Field metadata: the CLI help (and choices) of an `EngineArgs` field."""
+    return {"help": text, **extra}
+
+
+@dataclass
+class EngineArgs:
+    """Every engine knob a user sets, with its default (vLLM meaning where vLLM has the knob).
+
+    `model` is a local HF checkpoint directory. See `create_engine_config` for validation: bad
+    values raise `ValueError` naming the knob and the range.
+    """
+
+    model: str
+    dtype: str | torch.dtype = field(
+        default="auto",
+        metadata=_help(
+            "auto = float32 unless the CPU has native bf16 math; float16 is cast to bfloat16; "
+            "int8 = weight-only int8 (per-channel scales), float32 activations and math",
+            choices=DTYPE_CHOICES,
+        ),
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata=_help(
+            "weight-only quantization of every linear layer (math in float32)",
+            choices=QUANTIZATIONS,
+        ),
+    )
+    kv_cache_gib: float = field(default=4.0, metadata=_help("KV cache size, GiB"))
+    block_size: int = field(default=16, metadata=_help("KV block size in tokens (power of 2)"))
+    max_num_seqs: int = field(default=128, metadata=_help("sequences per step"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_help("tokens per step"))
+    max_model_len: int | None = field(
+        default=None, metadata=_help("prompt + output tokens (default: the model's limit)")
+    )
+    seed: int = field(default=0, metadata=_help("seed of the engine's sampling RNG"))
+    compile: bool = field(
+        default=True, metadata=_help("compile every shape bucket with torch.compile first")
+    )
+    compile_cache_dir: str | None = field(
+        default=None, metadata=_help("load/save compiled graphs here (see `ember warmup`)")
+    )
+    freeze_weights: bool = field(
+        default=False,
+        metadata=_help("let inductor fold and prepack weights (faster GEMMs; not cacheable)"),
+    )
+    token_buckets: tuple[int, ...] = field(
+        default=(1,),
+        metadata=_help("comma-separated token counts with their own static graph"),
+    )
+    max_logprobs: int = field(default=20, metadata=_help("largest SamplingParams.logprobs"))
+    attention_backend: str = field(
+        default="auto",
+        metadata=_help(
+            "paged-attention backend (auto: the fastest usable here)", choices=BACKEND_NAMES
+        ),
+    )
+    enable_lora: bool = field(default=False, metadata=_help("serve LoRA adapters"))
+    max_loras: int = field(default=4, metadata=_help("adapters resident in one step"))
+    max_lora_rank: int = field(default=16, metadata=_help("largest adapter rank"))
+
+    def create_engine_config(self) -> EngineConfig:
+        """Read the checkpoint's config once, resolve "auto" values against it and the CPU,
+        and build the frozen, validated config."""
+        spec = read_model_spec(self.model)
+        dtype, quantization = self.dtype, self.quantization
+        if dtype == "int8":
+            dtype, quantization = "float32", "int8"
+        max_positions = spec.max_positions
+        if spec.task == "embed":
+            # sentence-transformers' own input limit, when it ships one (all-MiniLM-L6-v2: 256).
+            max_positions = min(max_positions, max_seq_length(self.model) or max_positions)
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = max_positions
+        elif isinstance(max_model_len, int) and max_model_len > max_positions:
+            raise ValueError(
+                f"max_model_len must be <= the model's max_position_embeddings={max_positions}, "
+                f"got {max_model_len}"
+            )
+        run_dtype = resolve_dtype(dtype, spec.checkpoint_dtype)
+        backend = select_backend(self.attention_backend, spec.attention_features(run_dtype))
+        buckets = tuple(b for b in self.token_buckets if b <= self.max_num_batched_tokens)
+        return EngineConfig(
+            model=self.model,
+            model_spec=spec,
+            dtype=run_dtype,
+            quantization=quantization,
+            kv_cache_gib=self.kv_cache_gib,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            seed=self.seed,
+            compile=self.compile,
+            compile_cache_dir=self.compile_cache_dir,
+            freeze_weights=self.freeze_weights,
+            token_buckets=buckets or (1,),
+            max_logprobs=self.max_logprobs,
+            attention_backend=backend.name,
+            enable_lora=self.enable_lora,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+        )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        """One `--flag` per field (`--model` optional: the caller supplies a default)."""
+        for f in dataclasses.fields(EngineArgs):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kwargs: dict[str, Any] = {"help": f.metadata.get("help"), "default": f.default}
+            if f.name == "model":
+                kwargs.update(default=None, help="local HF checkpoint dir")
+            elif f.default is True or f.default is False:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif f.name == "token_buckets":
+                kwargs["type"] = lambda s: tuple(int(x) for x in s.split(","))
+            elif isinstance(f.default, float):
+                kwargs["type"] = float
+            elif isinstance(f.default, int) or f.name == "max_model_len":
+                kwargs["type"] = int
+            if "choices" in f.metadata:
+                kwargs["choices"] = list(f.metadata["choices"])
+            parser.add_argument(flag, **kwargs)
+
+    @staticmethod
+    def from_cli_args(args: argparse.Namespace, **overrides: Any) -> EngineArgs:
+        """The `EngineArgs` of parsed `add_cli_args` flags, with `overrides` on top."""
+        values = {
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(EngineArgs)
+            if hasattr(args, f.name)
+        }
+        values.update(overrides)
+        return EngineArgs(**values)
 
 
 def _check_range(name: str, value: int | float, low: int | float, high: int | float) -> None:
@@ -75,14 +210,19 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None) ->
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs to know, fixed for the engine's lifetime.
+    """Everything the engine needs to know, fixed for the engine's lifetime. Built by
+    `EngineArgs.create_engine_config`; the fields mean what `EngineArgs`' fields say.
 
     Units: `kv_cache_gib` in GiB for all layers' K and V together; `block_size` in tokens;
     `max_model_len` in tokens (prompt + output of one request).
     """
 
     model: str
+    model_spec: ModelSpec = field(compare=False, repr=False)
     dtype: torch.dtype
+    # Weight-only quantization of every linear layer: None or "int8" (per-output-channel
+    # scales; activations, KV cache and math stay in `dtype`, which must be float32).
+    quantization: str | None
     kv_cache_gib: float
     block_size: int
     max_num_seqs: int
@@ -90,20 +230,14 @@ class EngineConfig:
     max_model_len: int
     seed: int
     compile: bool
-    compile_cache_dir: str | None = None
-    freeze_weights: bool = False
-    token_buckets: tuple[int, ...] = (1,)
-    max_logprobs: int = 20
-    attention_backend: str = "torch"
-    # "generate" (causal LM), "encdec" (encoder-decoder LM) or "embed" (encoder-only model:
-    # `LLM.embed` only)
-    task: str = "generate"
-    enable_lora: bool = False
-    max_loras: int = 4
-    max_lora_rank: int = 16
-    # Weight-only quantization of every linear layer: None or "int8" (per-output-channel
-    # scales; activations, KV cache and math stay in `dtype`, which must be float32).
-    quantization: str | None = None
+    compile_cache_dir: str | None
+    freeze_weights: bool
+    token_buckets: tuple[int, ...]
+    max_logprobs: int
+    attention_backend: str  # resolved: never "auto"
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int
 
     def __post_init__(self) -> None:
         _check_range("kv_cache_gib", self.kv_cache_gib, 1e-6, 1024)
@@ -163,6 +297,12 @@ class EngineConfig:
                 f"attention_backend must be one of {BACKEND_NAMES[1:]} once resolved, "
                 f"got {self.attention_backend!r}"
             )
+
+    @property
+    def task(self) -> str:
+        """ "generate" (causal LM), "encdec" (encoder-decoder LM) or "embed" (encoder-only
+        model: `LLM.embed` only)."""
+        return self.model_spec.task
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -2,97 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
+from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
-from ember.attention import select_backend
-from ember.compiler.capture import attention_features, load_hf_config, model_task
 from ember.lora.adapter import LoRARequest
-from ember.runtime.buckets import DEFAULT_TOKEN_BUCKETS
-from ember.runtime.config import EngineConfig, resolve_dtype
+from ember.runtime.config import EngineArgs
 from ember.runtime.engine import LLMEngine, PromptType
 from ember.runtime.outputs import EmbeddingRequestOutput, RequestOutput
-from ember.runtime.pooling import max_seq_length
-from ember.runtime.request import SamplingParams
-
-DEFAULT_KV_CACHE_GIB = 4.0
-DEFAULT_BLOCK_SIZE = 16
-DEFAULT_MAX_NUM_SEQS = 128
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-
-
-def build_engine_config(
-    model: str,
-    dtype: str | torch.dtype = "auto",
-    kv_cache_gib: float = DEFAULT_KV_CACHE_GIB,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    max_model_len: int | None = None,
-    seed: int = 0,
-    compile: bool = True,
-    compile_cache_dir: str | None = None,
-    freeze_weights: bool = False,
-    token_buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS,
-    attention_backend: str = "auto",
-    enable_lora: bool = False,
-    max_loras: int = 4,
-    max_lora_rank: int = 16,
-    quantization: str | None = None,
-) -> EngineConfig:
-    """Resolve "auto" values against the checkpoint, then build the frozen config.
-
-    token_buckets: token counts that get their own static graph (steps up to the largest are
-    padded to a bucket); larger steps share one dynamic graph. freeze_weights: let inductor
-    fold and prepack weights (helps static batched graphs; not cacheable). attention_backend:
-    "auto" (the fastest usable here), "torch", "ipex" or "triton"; a backend that is missing
-    or lacks a feature the model needs fails here, naming the backend and the feature.
-    quantization: "int8" stores every linear layer's weight as int8 with per-channel scales
-    (math in float32); `dtype="int8"` is shorthand for `dtype="float32", quantization="int8"`.
-    """
-    if dtype == "int8":
-        dtype, quantization = "float32", "int8"
-    hf_config = load_hf_config(model)
-    task = model_task(hf_config)
-    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(config_dtype, str):
-        config_dtype = getattr(torch, config_dtype, None)
-    max_positions = getattr(hf_config, "max_position_embeddings", None) or 1 << 16
-    if task == "embed":
-        # sentence-transformers' own input limit, when it ships one (all-MiniLM-L6-v2: 256).
-        max_positions = min(max_positions, max_seq_length(model) or max_positions)
-    if max_model_len is None:
-        max_model_len = max_positions
-    elif isinstance(max_model_len, int) and max_model_len > max_positions:
-        raise ValueError(
-            f"max_model_len must be <= the model's max_position_embeddings={max_positions}, "
-            f"got {max_model_len}"
-        )
-    run_dtype = resolve_dtype(dtype, config_dtype)
-    backend = select_backend(attention_backend, attention_features(hf_config, run_dtype))
-    return EngineConfig(
-        model=model,
-        dtype=run_dtype,
-        kv_cache_gib=kv_cache_gib,
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        seed=seed,
-        compile=compile,
-        compile_cache_dir=compile_cache_dir,
-        freeze_weights=freeze_weights,
-        token_buckets=tuple(b for b in token_buckets if b <= max_num_batched_tokens) or (1,),
-        attention_backend=backend.name,
-        task=task,
-        enable_lora=enable_lora,
-        max_loras=max_loras,
-        max_lora_rank=max_lora_rank,
-        quantization=quantization,
-    )
+from ember.runtime.request import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -102,10 +23,10 @@ class LLM:
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0.0))
     """
 
-    def __init__(self, model: str, use_tqdm: bool = True, **kwargs: object) -> None:
-        """`kwargs` are the engine knobs of `build_engine_config`; `compile=True` (default)
-        compiles every shape bucket here, before the first request."""
-        self.config = build_engine_config(model, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, model: str, use_tqdm: bool = True, **kwargs: Any) -> None:
+        """`kwargs` are the fields of `ember.runtime.config.EngineArgs` (the engine knobs);
+        `compile=True` (default) compiles every shape bucket here, before the first request."""
+        self.config = EngineArgs(model=model, **kwargs).create_engine_config()
         self.llm_engine = LLMEngine.from_config(self.config, show_progress=use_tqdm)
         self._counter = 0
 
@@ -151,6 +72,10 @@ class LLM:
                 raise ValueError(
                     f"lora_request has {len(lora_list)} entries for {len(prompt_list)} prompts"
                 )
+        # Only finished outputs are used here: no per-step snapshots.
+        params_list = [
+            dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list
+        ]
         ids: list[str] = []
         rejected: dict[str, RequestOutput] = {}
         try:

@@ -9,9 +9,21 @@ from typing import cast
 
 import torch
 
+from ember.runtime.outputs import IncrementalDetokenizer, Logprob
+
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step` returns for a request (vLLM's meaning): CUMULATIVE, every step, all
+    tokens so far; DELTA, every step, only the new ones; FINAL_ONLY, once, when it finishes
+    (what `LLM.generate` uses: no per-step output is built)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -38,6 +50,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = field(default_factory=lambda: RequestOutputKind.CUMULATIVE)
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -68,6 +81,8 @@ class SamplingParams:
         if not all(_is_int(t) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {ids!r}")
         self.stop_token_ids = ids
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @staticmethod
     def _normalise_stop(stop: str | list[str] | None) -> list[str]:
@@ -99,6 +114,11 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
 
     @property
+    def finish_reason(self) -> str | None:
+        """vLLM's `finish_reason`: "stop", "length" or "abort"; None while unfinished."""
+        return self.value if self.finished else None
+
+    @property
     def finished(self) -> bool:
         return self in (
             RequestStatus.FINISHED_STOPPED,
@@ -109,9 +129,12 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One sequence being generated. Only the scheduler mutates it.
+    """One sequence being generated (or embedded: `pool`). Only the scheduler mutates it.
 
     `generator` is this request's own RNG, so seeded samples do not depend on the batch.
+    `detokenizer` turns output tokens into `text` as they arrive (stop strings are found there);
+    `logprobs` has one entry per output token when `params.logprobs` is set; `embedding` is the
+    pooled result of an embedding request.
     """
 
     request_id: str
@@ -130,6 +153,12 @@ class Request:
     # K/V live in blocks of their own. Prefix-cache keys of the decoder tokens include it.
     encoder_token_ids: list[int] | None = None
     lora_id: int | None = None
+    pool: bool = False
+    detokenizer: IncrementalDetokenizer | None = None
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    embedding: list[float] | None = None
     all_token_ids: list[int] = field(init=False)
     cache_salt: bytes = field(init=False)
 
@@ -147,10 +176,6 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,8 @@ whatever else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ember.runtime.batch import ScheduledRequest, TokenLogprobs
@@ -15,8 +17,8 @@ from ember.runtime.batch import ScheduledRequest, TokenLogprobs
 
 def apply_penalties(
     logits: torch.Tensor,
-    prompt_ids: list[tuple[int, ...]],
-    output_ids: list[tuple[int, ...]],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
     presence: torch.Tensor,
     frequency: torch.Tensor,
     repetition: torch.Tensor,
@@ -127,5 +129,7 @@ def sample(
             sub = apply_top_k_top_p(sub, top_k, top_p)
         probs = torch.softmax(sub, dim=-1)
         for row, i in enumerate(random_rows):
-            tokens[i] = _draw(probs[row], requests[i].generator)
+            generator = requests[i].generator
+            assert generator is not None, "a sampling request carries its generator"
+            tokens[i] = _draw(probs[row], generator)
     return tokens, _logprobs(raw, tokens, requests)

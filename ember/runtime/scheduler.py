@@ -5,6 +5,13 @@ Each request's `num_computed_tokens` catches up to its `num_tokens` under one to
 (decodes before prefill chunks), then waiting ones in arrival order; prompts are chunked to fit
 the budget; prefix-cache hits skip computation; when blocks run out, the most recently admitted
 running request not yet scheduled this step is preempted and later recomputed.
+
+Embedding requests (`Request.pool`) run whole in one step (bidirectional attention cannot be
+chunked) and finish in it. The encoder inputs of encoder-decoder requests admitted in one step
+share one encoder pass of at most `max_num_batched_tokens` tokens (a longer one runs alone).
+
+`update` is the only place that decides a request has finished: EOS, stop ids, length, and
+stop strings, found by the request's incremental detokenizer.
 """
 
 from __future__ import annotations
@@ -12,8 +19,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from ember.runtime.batch import RunnerOutput, ScheduledRequest, StepPlan
+from ember.runtime.batch import RunnerOutput, ScheduledRequest, StepPlan, TokenLogprobs
 from ember.runtime.block_manager import BlockManager
+from ember.runtime.outputs import Logprob, find_stop_string
 from ember.runtime.request import Request, RequestStatus
 
 
@@ -59,7 +67,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """End a request (abort, or a stop string found by the detokenizer); frees its blocks."""
+        """End a request (an abort, or a stop condition in `update`); frees its blocks."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -78,10 +86,6 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -148,18 +152,25 @@ class Scheduler:
     def _admit_waiting(
         self, budget: int, scheduled: list[tuple[Request, int]], loras: set[int]
     ) -> int:
+        num_encoder_tokens = 0  # in this step's encoder pass
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if not self._lora_fits(request, loras):
                 break  # arrival order: later requests wait too
+            if request.pool and request.num_tokens > budget:
+                break  # embeddings run whole: wait for a step with room
             rid, tokens, salt = request.request_id, request.all_token_ids, request.cache_salt
             enc = request.encoder_token_ids
+            if enc is not None and num_encoder_tokens + len(enc) > self.max_num_batched_tokens:
+                if num_encoder_tokens:
+                    break  # the next step's encoder pass
             if enc is not None and (
                 self.block_manager.allocate(cross_key(rid), enc, len(enc), extra=rid.encode())
                 is None
             ):
                 break
-            hits = self.block_manager.match_prefix(rid, tokens, salt)
+            # An embedding's hidden states need every token computed: no prefix hits.
+            hits = [] if request.pool else self.block_manager.match_prefix(rid, tokens, salt)
             num_hit = len(hits) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_hit, budget)
             if self.block_manager.allocate(rid, tokens, num_hit + num_new, hits, salt) is None:
@@ -174,6 +185,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
+            num_encoder_tokens += len(enc) if enc is not None else 0
             if request.lora_id is not None:
                 loras.add(request.lora_id)
         return budget
@@ -185,43 +197,88 @@ class Scheduler:
         if enc is not None:
             cross = dict(
                 encoder_token_ids=tuple(enc) if admitted else (),
-                cross_block_ids=tuple(self.block_manager.block_ids(cross_key(request.request_id))),
+                cross_block_ids=self.block_manager.block_ids(cross_key(request.request_id)),
                 num_encoder_tokens=len(enc),
             )
+        ends = start + num_new == request.num_tokens
+        # Views of the request's own lists, not copies: a step must not cost time that grows
+        # with the sequence (the scheduler changes them only in `update`, after the step).
         return ScheduledRequest(
             request_id=request.request_id,
             num_computed_tokens=start,
             token_ids=tuple(request.all_token_ids[start : start + num_new]),
-            block_ids=tuple(self.block_manager.block_ids(request.request_id)),
-            sample=start + num_new == request.num_tokens,
+            block_ids=self.block_manager.block_ids(request.request_id),
+            sample=ends and not request.pool,
             params=request.params,
             generator=request.generator,
-            prompt_token_ids=tuple(request.prompt_token_ids),
-            output_token_ids=tuple(request.output_token_ids),
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
             lora_id=request.lora_id,
+            pool=request.pool,
             **cross,
         )
 
     def update(self, plan: StepPlan, output: RunnerOutput) -> tuple[list[Request], list[Request]]:
-        """Advance computed counts, append sampled tokens, finish requests on EOS/stop ids/length.
+        """Advance computed counts, store embeddings, append sampled tokens (detokenized, with
+        logprobs), and finish requests on EOS, stop ids, stop strings or length.
 
-        Returns (requests that got a new token, requests that finished this step).
+        Returns (requests that got a new token or an embedding, requests that finished).
         """
         updated: list[Request] = []
         finished: list[Request] = []
         for item in plan.requests:
             request = self.requests[item.request_id]
             request.num_computed_tokens += item.num_new_tokens
-            token = output.sampled.get(item.request_id)
-            if token is None:
-                continue
-            request.append_output_token(token)
+            if item.pool:
+                request.embedding = output.pooled[item.request_id]
+                status: RequestStatus | None = RequestStatus.FINISHED_STOPPED
+            else:
+                token = output.sampled.get(item.request_id)
+                if token is None:
+                    continue
+                request.append_output_token(token)
+                logprobs = output.logprobs.get(item.request_id)
+                if logprobs is not None:
+                    self._append_logprobs(request, logprobs)
+                status = self._check_stop(request, token)
+                stop = self._detokenize(request, token)
+                if stop is not None and status is None:
+                    status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+                if status is not None and stop is None and request.detokenizer is not None:
+                    request.detokenizer.flush()
+                    request.text = request.detokenizer.text
             updated.append(request)
-            status = self._check_stop(request, token)
             if status is not None:
                 self.finish_request(request.request_id, status)
                 finished.append(request)
         return updated, finished
+
+    @staticmethod
+    def _detokenize(request: Request, token: int) -> str | None:
+        """Append `token` to the request's text; returns the stop string it completed, if any
+        (the text then ends before it, or after it with `include_stop_str_in_output`)."""
+        detok = request.detokenizer
+        if detok is None:
+            return None
+        num_new_chars = detok.append(token)
+        params = request.params
+        stop = find_stop_string(
+            detok.text, num_new_chars, params.stop_strings, params.include_stop_str_in_output
+        )
+        request.text = stop[0] if stop is not None else detok.text
+        return stop[1] if stop is not None else None
+
+    @staticmethod
+    def _append_logprobs(request: Request, lp: TokenLogprobs) -> None:
+        tokenizer = request.detokenizer.tokenizer if request.detokenizer is not None else None
+        entry = {
+            t: Logprob(v, r, str(tokenizer.decode([t])) if tokenizer is not None else None)
+            for t, v, r in zip(lp.token_ids, lp.logprobs, lp.ranks, strict=True)
+        }
+        if request.logprobs is None:
+            request.logprobs = []
+        request.logprobs.append(entry)
+        request.cumulative_logprob = (request.cumulative_logprob or 0.0) + lp.logprobs[0]
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params

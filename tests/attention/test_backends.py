@@ -14,11 +14,11 @@ from ember.attention import (
     select_backend,
     torch_cpu,
 )
-from ember.runtime.llm import build_engine_config
+from ember.runtime.config import EngineArgs
 from tests.attention.test_paged_attention import _run_case, load_backend
 from tests.conftest import hf_greedy, make_prompts
 
-FP32 = AttentionFeatures(head_dims=(64,), kv_dtype=torch.float32)
+FP32 = AttentionFeatures(kv_dtype=torch.float32)
 
 
 def test_unknown_backend_names_the_choices():
@@ -49,28 +49,28 @@ def test_triton_without_gpu_or_interpreter_is_unavailable(monkeypatch):
 @pytest.mark.parametrize(
     "features, lacking",
     [
-        (AttentionFeatures((64,), torch.float32, kv_sharing=True), "cross-layer KV sharing"),
-        (AttentionFeatures((64,), torch.float16), "KV cache dtype torch.float16"),
+        (AttentionFeatures(torch.float32, kv_sharing=True), "cross-layer KV sharing"),
+        (AttentionFeatures(torch.float16), "KV cache dtype torch.float16"),
     ],
 )
 def test_feature_a_backend_lacks_fails_naming_backend_and_feature(features, lacking):
     with pytest.raises(BackendUnavailableError, match=f"{lacking} is not supported by .*'torch'"):
         select_backend("torch", features)
     ipex = get_backend("ipex")
-    assert ipex.unsupported(AttentionFeatures((64,), torch.float32, softcap=True)) == (
+    assert ipex.unsupported(AttentionFeatures(torch.float32, softcap=True)) == (
         "attention logit soft-capping"
     )
     assert "cross-attention" in ipex.unsupported(
-        AttentionFeatures((64,), torch.float32, cross_attention=True)
+        AttentionFeatures(torch.float32, cross_attention=True)
     )
 
 
 def test_model_needing_an_unsupported_feature_fails_at_load(checkpoint_dir):
     d = checkpoint_dir("tiny-llama", num_kv_shared_layers=1)
     with pytest.raises(ValueError, match="cross-layer KV sharing is not supported"):
-        build_engine_config(d, dtype="float32", attention_backend="torch")
+        EngineArgs(d, dtype="float32", attention_backend="torch").create_engine_config()
     with pytest.raises(ValueError, match="no attention backend can run this model"):
-        build_engine_config(d, dtype="float32")
+        EngineArgs(d, dtype="float32").create_engine_config()
 
 
 def test_flash_decoding_split_matches_reference(monkeypatch):

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from ember import LLM, SamplingParams, bench
-from ember.quant import Int8Linear, quantize_int8_
+from ember import LLM, SamplingParams
+from ember.compiler.quant import Int8Linear, quantize_int8_
+from ember.tools import bench
 from tests.conftest import make_prompts
 
 

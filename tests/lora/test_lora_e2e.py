@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
 from ember import LLM, LoRARequest, SamplingParams
-from ember.checkpoints import build_checkpoint
+from ember.tools.checkpoints import build_checkpoint
 from tests.conftest import make_prompts
 
 MAX_NEW = 12

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ember.checkpoints import build_tokenizer
 from ember.runtime.outputs import IncrementalDetokenizer, find_stop_string
+from ember.tools.checkpoints import build_tokenizer
 
 
 def test_incremental_detokenizer_equals_full_decode():

@@ -1,8 +1,8 @@
 """Narrow weights, fp32 math: weight-only int8 (`Int8Linear`) and bf16 (`Bf16Linear`) linears.
 
 bf16 models: every nn.Linear becomes a `Bf16Linear` holding the same bf16 weight (tied heads
-stay tied). Steps of up to `ember.kernels.GEMV_MAX_ROWS` tokens (decodes) run ember's fused
-GEMV, widening bf16 rows to fp32 in registers (measured on the 85 llama-160m projections at
+stay tied). Steps of up to `kGemvMaxRows` tokens (8, `ember/kernels/csrc`; decodes) run ember's
+fused GEMV, widening bf16 rows to fp32 in registers (measured on the 85 llama-160m projections at
 batch 1: 9.5-13.0 ms vs 18.0-23.4 ms through ATen's bf16 matmul); larger steps go to ATen's
 bf16 GEMM (oneDNN: AMX / AVX512-BF16 where present).
 
@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from ember import kernels
-from ember.runtime.config import QUANTIZATIONS
 
-__all__ = ["QUANTIZATIONS", "Bf16Linear", "Int8Linear", "quantize_int8_", "use_bf16_gemv_"]
+# Weight-only quantization schemes (`EngineArgs.quantization`).
+QUANTIZATIONS = ("int8",)
 
 
 class Int8Linear(nn.Module):

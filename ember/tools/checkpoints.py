@@ -21,7 +21,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from ember.runtime.config import user_cache_dir
+from ember.host import user_cache_dir
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single

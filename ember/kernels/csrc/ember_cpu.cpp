@@ -1,62 +1,26 @@
-"""ember's own C++ CPU kernels, built once per machine with torch's cpp_extension and registered
-as aten-style ops (`torch.ops.ember_cpu.*`), so compiled graphs call them straight through the
-dispatcher.
-
-`ember_cpu::paged_attention_cpu(out, query, key, value, cache, slot_mapping, query_start_loc,
-seq_lens, block_tables, scale, sliding_window, split_min_tokens) -> flags`: the torch attention
-backend's common case in one call: writes the step's K/V, then attends every decode in place
-from the paged cache (fp32 or bf16), one (sequence, K/V head) per task, online softmax in fp32,
-the GQA group's query heads sharing each K/V row. Prefill chunks (and decodes that want the
-flash-decoding split) are left to the PyTorch code, as the returned flags say. It replaces
-about 20 small ATen calls per layer (write, gather, mask, SDPA, scatter) that cost ~0.45 ms
-per layer at batch 1.
-
-`ember_cpu::woq_int8_linear(x, w_int8, scales, bias?)`: y = (x @ w^T) * scales + bias, with x
-and y float32, w int8 [N, K] and one float32 scale per output channel. fp32 math throughout.
-- Up to `GEMV_MAX_ROWS` rows (decode steps): a fused GEMV. Each thread owns a range of output
-  channels and reads each int8 weight row once for all rows of x (four at a time), widening to
-  fp32 in registers, so a step reads 1 byte per weight. ATen's `_weight_int8pack_mm` has no
-  vectorised fp32-activation path (measured 1.16 ms vs 0.17 ms fp32 for 1x768 @ 768x2048).
-- `WIDEN_MIN_ROWS` rows or more (prefill chunks): the weight is widened once into a reused fp32
-  buffer and one multi-threaded GEMM runs on it (weights up to 128 MiB of fp32).
-- Between the two (batched decodes), or for larger weights: each thread widens a tile of weight
-  rows into an L2-sized fp32 buffer and runs one GEMM on it, so no full fp32 copy is written.
-
-Built with `-O3 -march=native` into `$XDG_CACHE_HOME/ember/kernels/<hash>`, keyed by source,
-flags, torch version and CPU ISA; a later process loads the built library (about 0.1 s).
-"""
-
-from __future__ import annotations
-
-import functools
-import hashlib
-import logging
-
-import torch
-
-logger = logging.getLogger("ember")
-
-GEMV_MAX_ROWS = 8
-TILE_ROWS = 128
-WIDEN_MIN_ROWS = 64
-
-_SOURCE = r"""
+// ember's C++ CPU kernels, registered as `torch.ops.ember_cpu.*` (see ember/kernels/__init__.py).
+// Built once per machine by torch's cpp_extension with -O3 -march=native.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
-constexpr int64_t kGemvMaxRows = GEMV_MAX_ROWS;
-constexpr int64_t kTileRows = TILE_ROWS;
-constexpr int64_t kWidenMinRows = WIDEN_MIN_ROWS;
+// Steps of up to this many rows (decodes) run the fused GEMV.
+constexpr int64_t kGemvMaxRows = 8;
+// Weight rows widened per tile on the tiled path (an L2-sized fp32 buffer per thread).
+constexpr int64_t kTileRows = 128;
+// Steps of at least this many rows widen the whole weight once and run one GEMM.
+constexpr int64_t kWidenMinRows = 64;
 constexpr int64_t kWidenMaxElems = int64_t{1} << 25;  // 128 MiB of fp32
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 constexpr int64_t kLanes = 16;
 using vfloat = __m512;
 inline vfloat vzero() { return _mm512_setzero_ps(); }
@@ -72,7 +36,6 @@ inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, 
 inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
 #define EMBER_SIMD 1
 #elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 constexpr int64_t kLanes = 8;
 using vfloat = __m256;
 inline vfloat vzero() { return _mm256_setzero_ps(); }
@@ -403,71 +366,3 @@ TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
   m.impl("bf16_linear", &bf16_linear);
   m.impl("paged_attention_cpu", &paged_attention_cpu);
 }
-"""
-
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-
-
-def _source() -> str:
-    values = {
-        "GEMV_MAX_ROWS": GEMV_MAX_ROWS,
-        "TILE_ROWS": TILE_ROWS,
-        "WIDEN_MIN_ROWS": WIDEN_MIN_ROWS,
-    }
-    source = _SOURCE
-    for name, value in values.items():
-        source = source.replace(name, str(value))
-    return source
-
-
-@functools.cache
-def load() -> None:
-    """Build (first time on this machine) and load the kernels; registers `ember_cpu` ops.
-    Needs a C++ compiler, as inductor does; raises RuntimeError naming the build dir if the
-    build fails."""
-    import os
-
-    from torch.utils import cpp_extension
-
-    from ember.runtime.config import user_cache_dir
-
-    source = _source()
-    key = hashlib.sha256(
-        "\n".join(
-            [source, *_CFLAGS, torch.__version__, torch.backends.cpu.get_cpu_capability()]
-        ).encode()
-    ).hexdigest()[:16]
-    build_dir = user_cache_dir("kernels", f"ember_cpu-{key}")
-    os.makedirs(build_dir, exist_ok=True)
-    logger.info("loading ember_cpu kernels from %s (built on first use)", build_dir)
-    try:
-        cpp_extension.load_inline(
-            name=f"ember_cpu_{key}",
-            cpp_sources=[source],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=build_dir,
-            is_python_module=False,
-        )
-    except (RuntimeError, OSError, ImportError) as e:
-        raise RuntimeError(f"cannot build ember's C++ kernels in {build_dir}: {e}") from e
-
-    @torch.library.register_fake("ember_cpu::woq_int8_linear")
-    def _(x, w, scales, bias):  # noqa: ANN001, ANN202
-        return x.new_empty((*x.shape[:-1], w.shape[0]))
-
-    @torch.library.register_fake("ember_cpu::bf16_linear")
-    def _(x, w, bias):  # noqa: ANN001, ANN202
-        return x.new_empty((*x.shape[:-1], w.shape[0]))
-
-
-@functools.cache
-def available() -> bool:
-    """True when the kernels are loaded; False (logged once) when they cannot be built here,
-    and callers with a pure-PyTorch path take it."""
-    try:
-        load()
-    except RuntimeError as e:
-        logger.warning("%s; using the PyTorch fallbacks", e)
-        return False
-    return True

@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 
+from ember.host import user_cache_dir
 from ember.runtime.request import SamplingParams
+from ember.tools.checkpoints import build_checkpoint
 
 
 @dataclass(frozen=True)
@@ -53,9 +55,6 @@ def bench_checkpoint(shape: str, dtype: str = "float32") -> str:
     """The random-init checkpoint of `shape` the benchmarks run with engine dtype `dtype`:
     stored in bf16 for "bfloat16", else in fp32 (an int8 engine quantises the fp32 one); built
     once under the user cache dir."""
-    from ember.checkpoints import build_checkpoint
-    from ember.runtime.config import user_cache_dir
-
     name = "bfloat16" if dtype == "bfloat16" else "float32"
     return build_checkpoint(
         user_cache_dir("models", f"{shape}-{name}"),

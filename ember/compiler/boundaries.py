@@ -1,0 +1,32 @@
+"""The one list of ops that stay opaque to torch.compile (graph split points), and where each is
+defined. Everything else in a captured step is inductor-generated code.
+
+Each op is registered one way: ember's Python ops with `ember.kernels.library.define_op`, the C++
+ops by `TORCH_LIBRARY` in `ember/kernels/csrc/ember_cpu.cpp`, the Triton kernel with
+`torch.library.triton_op` (the only way inductor sees a Triton kernel); each has its fake
+(shape) implementation beside it, and `tests/compiler/test_boundaries.py` opchecks them all.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# op -> the module that registers it (importing it registers the op).
+OPAQUE_OPS: dict[str, str] = {
+    "ember::paged_attention": "ember.attention.torch_cpu",
+    "ember::paged_attention_ipex": "ember.attention.ipex_cpu",
+    "ember::paged_attention_triton": "ember.attention.triton_paged",
+    "ember::write_kv_cache": "ember.attention.ops",
+    "ember::lora_shrink": "ember.lora.ops",
+    "ember::lora_expand": "ember.lora.ops",
+    "ember_cpu::paged_attention_cpu": "ember.kernels",
+    "ember_cpu::woq_int8_linear": "ember.kernels",
+    "ember_cpu::bf16_linear": "ember.kernels",
+}
+
+
+def register(op: str) -> None:
+    """Import the module that defines `op` (the C++ ops: build and load the kernels)."""
+    module = importlib.import_module(OPAQUE_OPS[op])
+    if module.__name__ == "ember.kernels":
+        module.load()

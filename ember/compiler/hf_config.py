@@ -1,0 +1,188 @@
+"""What ember needs to know about a checkpoint, read once from its HF config: the task, how to
+load it, its attention features and its KV geometry (`ModelSpec`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    PretrainedConfig,
+)
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_MAPPING_NAMES,
+)
+
+from ember.attention import AttentionFeatures
+
+# "generate" (causal LM), "encdec" (encoder-decoder LM) or "embed" (encoder-only model).
+TASKS = ("generate", "encdec", "embed")
+_AUTO_CLASSES: dict[str, Any] = {
+    "generate": AutoModelForCausalLM,
+    "encdec": AutoModelForSeq2SeqLM,
+    "embed": AutoModel,
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint cannot be served by ember; the message names the reason."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Facts about one checkpoint, computed once by `read_model_spec`.
+
+    `num_kv_layers, num_kv_heads, head_dim`: the config's KV geometry (encoder-decoder models keep
+    encoder and decoder layers in the same per-layer caches: the larger layer count). Models
+    whose layers differ (Gemma 4) are measured per layer from the loaded modules
+    (`ember.compiler.loader.kv_layer_shapes`).
+    """
+
+    model_dir: str
+    hf_config: PretrainedConfig = field(compare=False, repr=False)
+    task: str
+    architecture: str
+    checkpoint_dtype: torch.dtype | None
+    max_positions: int
+    num_kv_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def auto_class(self) -> Any:
+        return _AUTO_CLASSES[self.task]
+
+    def attention_features(self, kv_dtype: torch.dtype) -> AttentionFeatures:
+        """What the model's attention layers need from a backend."""
+        config = self.hf_config
+        layer_types = getattr(config, "layer_types", None) or ()
+        window = getattr(config, "sliding_window", None)
+        sliding = "sliding_attention" in layer_types or bool(
+            window and getattr(config, "use_sliding_window", True)
+        )
+        return AttentionFeatures(
+            kv_dtype=kv_dtype,
+            sliding_window=sliding,
+            softcap=bool(getattr(config, "attn_logit_softcapping", None)),
+            bidirectional=self.task in ("embed", "encdec"),
+            cross_attention=self.task == "encdec",
+            kv_sharing=bool(getattr(config, "num_kv_shared_layers", 0)),
+        )
+
+
+def read_model_spec(model_dir: str) -> ModelSpec:
+    """Read a local checkpoint directory's config (offline) and classify it; raises
+    `UnsupportedModelError` naming the architecture for anything ember cannot serve."""
+    config = load_hf_config(model_dir)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    num_layers, num_kv_heads, head_dim = kv_geometry(config)
+    return ModelSpec(
+        model_dir=model_dir,
+        hf_config=config,
+        task=model_task(config),
+        architecture=(getattr(config, "architectures", None) or [config.model_type])[0],
+        checkpoint_dtype=dtype if isinstance(dtype, torch.dtype) else None,
+        max_positions=getattr(config, "max_position_embeddings", None) or 1 << 16,
+        num_kv_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
+
+
+def load_hf_config(model_dir: str) -> PretrainedConfig:
+    """Read `config.json` of a local checkpoint directory, offline."""
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"model must be a local checkpoint directory, got {model_dir!r}")
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise UnsupportedModelError(f"model directory {model_dir!r} has no config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (ValueError, OSError) as e:
+        raise UnsupportedModelError(f"config.json of {model_dir!r} is not valid JSON: {e}") from e
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        arch = (raw.get("architectures") or [raw.get("model_type")])[0]
+        raise UnsupportedModelError(
+            f"architecture {arch!r} of {model_dir!r} is not known to transformers: {e}"
+        ) from e
+
+
+def model_task(config: PretrainedConfig) -> str:
+    """ "generate" for a causal LM, "encdec" for an encoder-decoder LM (`BartForConditional
+    Generation`), "embed" for an encoder-only base model (`BertModel`); raises naming the
+    architecture for anything else."""
+    declared = getattr(config, "architectures", None)
+    arch = (declared or [config.model_type])[0]
+    causal_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    base_name = MODEL_MAPPING_NAMES.get(config.model_type)
+    seq2seq_name = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if getattr(config, "is_encoder_decoder", False):
+        if seq2seq_name is None or (declared and seq2seq_name not in declared):
+            raise UnsupportedModelError(
+                f"architecture {arch!r} is encoder-decoder but not a conditional-generation LM"
+            )
+        enc_heads = getattr(config, "encoder_attention_heads", None)
+        if enc_heads != getattr(config, "decoder_attention_heads", enc_heads):
+            raise UnsupportedModelError(
+                f"architecture {arch!r}: encoder and decoder head counts differ; ember keeps both "
+                "in one KV cache and needs them equal"
+            )
+        task = "encdec"
+    elif causal_name is not None and (not declared or causal_name in declared):
+        task = "generate"
+    elif base_name is not None and declared and base_name in declared:
+        task = "embed"
+    else:
+        raise UnsupportedModelError(
+            f"architecture {arch!r} (model_type {config.model_type!r}) is neither a causal LM "
+            "nor an encoder base model that ember can capture"
+        )
+    model_cls = _AUTO_CLASSES[task]._model_mapping[type(config)]
+    # HF flags models tested with custom attention functions; BART-family models do not carry
+    # the flag but dispatch every attention call through the same registry.
+    routes = "ALL_ATTENTION_FUNCTIONS" in vars(sys.modules[model_cls.__module__])
+    if not (getattr(model_cls, "_supports_attention_backend", False) or routes):
+        raise UnsupportedModelError(
+            f"architecture {arch!r} does not route attention through transformers' attention "
+            "interface, so ember cannot capture it"
+        )
+    return task
+
+
+def _global_value(config: PretrainedConfig, name: str) -> Any:
+    """`config.<name>`, or its serialized global value for heterogeneous configs (Gemma 4),
+    which refuse a global read of a per-layer field; per-layer values come from the modules
+    (`kv_layer_shapes`)."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return config.to_dict().get(name)
+
+
+def kv_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of the text model. Encoder-decoder models keep
+    encoder and decoder layers in the same per-layer caches: max of the two layer counts."""
+    num_heads = config.num_attention_heads
+    num_kv_heads = _global_value(config, "num_key_value_heads") or num_heads
+    head_dim = _global_value(config, "head_dim") or config.hidden_size // num_heads
+    num_layers = max(
+        config.num_hidden_layers,
+        getattr(config, "encoder_layers", 0) or 0,
+        getattr(config, "decoder_layers", 0) or 0,
+    )
+    return num_layers, num_kv_heads, head_dim

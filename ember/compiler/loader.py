@@ -1,0 +1,181 @@
+"""Load a checkpoint and apply every rewrite ember makes to the HF model, in one place:
+
+- attention routed to the backend's paged-attention op (`attn_implementation`, HF's attention
+  registry; the modeling code itself is unmodified);
+- encoder-decoder models: learned positions placed per token (`_PositionsAddedByEmber`) and
+  the decoder's cross-attention modules marked;
+- narrow linears: weight-only int8 (`quantization="int8"`) or bf16 weights through ember's
+  GEMV (`ember.compiler.quant`);
+- LoRA wrappers around the targeted projections (`ember.lora.layers`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from ember import kernels
+from ember.attention import AttentionBackend
+from ember.compiler.hf_bridge import register_attention
+from ember.compiler.hf_config import ModelSpec, UnsupportedModelError
+from ember.compiler.quant import quantize_int8_, use_bf16_gemv_
+from ember.lora.layers import LoRALinear, install_lora
+
+logger = logging.getLogger("ember")
+
+
+@dataclass(frozen=True)
+class LoRAShape:
+    """Adapter slots built into the model: `max_loras` slots of rank up to `max_rank`, a per-token
+    slot index for up to `max_tokens` tokens per step."""
+
+    max_loras: int
+    max_rank: int
+    max_tokens: int
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to capture, and what it was built with (the compile-cache key reads it).
+
+    `kv_layer_shapes`: (num_kv_heads, head_dim) of each KV-cache layer. `lora_layers`: wrapped
+    module name -> wrapper; `lora_token_slots [max_tokens]`: the slot index each token of a step
+    uses, shared by every wrapper (both empty/None without LoRA).
+    """
+
+    model: PreTrainedModel
+    spec: ModelSpec
+    tokenizer: PreTrainedTokenizerBase | None
+    dtype: torch.dtype
+    quantization: str | None
+    attention_backend: str
+    kv_layer_shapes: tuple[tuple[int, int], ...]
+    lora: LoRAShape | None = None
+    lora_layers: dict[str, LoRALinear] | None = None
+    lora_token_slots: torch.Tensor | None = None
+
+
+def load_model(
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    backend: AttentionBackend,
+    quantization: str | None = None,
+    lora: LoRAShape | None = None,
+) -> LoadedModel:
+    """Load `spec`'s weights (safetensors, offline) in `dtype`, eval mode, with every rewrite
+    above: the causal LM, the encoder-decoder LM, or the encoder base model of an embedding
+    model."""
+    try:
+        model = spec.auto_class.from_pretrained(
+            spec.model_dir,
+            dtype=dtype,
+            attn_implementation=register_attention(backend),
+            local_files_only=True,
+            use_safetensors=None,
+        )
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own error types)
+        raise UnsupportedModelError(f"cannot load weights of {spec.model_dir!r}: {e}") from e
+    model.eval().requires_grad_(False)
+    if spec.task == "encdec":
+        _prepare_encoder_decoder(model)
+    layers = token_slots = None
+    if lora is not None:  # before narrowing, which then reaches the wrapped base linears too
+        layers, token_slots = install_lora(model, lora.max_loras, lora.max_rank, lora.max_tokens)
+    if quantization == "int8":
+        quantize_int8_(model)
+    elif dtype == torch.bfloat16 and kernels.available():
+        use_bf16_gemv_(model)
+    return LoadedModel(
+        model=model,
+        spec=spec,
+        tokenizer=load_tokenizer(spec.model_dir),
+        dtype=dtype,
+        quantization=quantization,
+        attention_backend=backend.name,
+        kv_layer_shapes=kv_layer_shapes(model, spec),
+        lora=lora,
+        lora_layers=layers,
+        lora_token_slots=token_slots,
+    )
+
+
+def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase | None:
+    """The checkpoint's tokenizer, or None (logged) when it has none: token-id prompts only."""
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        logger.warning("no tokenizer in %s (%s); only token-id prompts work", model_dir, e)
+        return None
+
+
+def kv_layer_shapes(model: torch.nn.Module, spec: ModelSpec) -> tuple[tuple[int, int], ...]:
+    """(num_kv_heads, head_dim) of each KV-cache layer, read from the loaded attention modules
+    (models such as Gemma 4 give global-attention layers their own head_dim and K/V heads);
+    layers whose modules do not say keep the config's geometry."""
+    shapes = [(spec.num_kv_heads, spec.head_dim)] * spec.num_kv_layers
+    for module in model.modules():
+        idx, dim = getattr(module, "layer_idx", None), getattr(module, "head_dim", None)
+        k_proj = getattr(module, "k_proj", None)
+        out = getattr(k_proj, "out_features", None)
+        if isinstance(idx, int) and isinstance(dim, int) and isinstance(out, int):
+            if 0 <= idx < spec.num_kv_layers:
+                shapes[idx] = (out // dim, dim)
+    return tuple(shapes)
+
+
+class _PositionsAddedByEmber(torch.nn.Module):
+    """Stands in for an encoder-decoder model's learned position embedding.
+
+    HF's BART-family encoder and decoder derive positions from the batch shape (0..T-1 plus the
+    HF cache length), which is wrong for ember's flattened multi-sequence stream. ember adds
+    each token's own position embedding to `inputs_embeds` (`embed_with_positions`), and this
+    module adds zeros in its place: x + 0.0 == x, so the sum is bit-identical to HF's.
+    """
+
+    def __init__(self, original: torch.nn.Embedding) -> None:
+        super().__init__()
+        self.original = original
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        past_key_values_length: int = 0,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        num = input_ids.shape[1] if input_ids is not None else position_ids.shape[-1]  # type: ignore[union-attr]
+        weight = self.original.weight
+        return weight.new_zeros(1, num, weight.shape[1])
+
+
+def _prepare_encoder_decoder(model: PreTrainedModel) -> None:
+    """Swap in `_PositionsAddedByEmber` and mark the decoder's cross-attention modules (the HF
+    modeling code itself is untouched)."""
+    arch = type(model).__name__
+    for stack in (model.get_encoder(), model.get_decoder()):
+        positions = getattr(stack, "embed_positions", None)
+        if not isinstance(positions, torch.nn.Embedding) or not hasattr(positions, "offset"):
+            raise UnsupportedModelError(
+                f"{arch}: ember runs encoder-decoder models with learned absolute position "
+                "embeddings (the BART family); this one has none it can place per sequence"
+            )
+        stack.embed_positions = _PositionsAddedByEmber(positions)
+    for layer in model.get_decoder().layers:
+        cross = getattr(layer, "encoder_attn", None)
+        if cross is None:
+            raise UnsupportedModelError(f"{arch}: decoder layers have no `encoder_attn`")
+        cross._ember_cross_attention = True
+
+
+def embed_with_positions(
+    stack: Any, input_ids: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Token embeddings plus each token's own position embedding: [1, num_tokens, d]. Traced by
+    torch.compile (called from the captured encoder-decoder forwards)."""
+    learned = stack.embed_positions.original
+    # nn.Embedding's lookup, not the module's own forward (which derives positions from shape).
+    pos = torch.nn.functional.embedding(positions[None] + learned.offset, learned.weight)
+    return stack.embed_tokens(input_ids[None]) + pos

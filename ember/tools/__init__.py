@@ -1,0 +1,1 @@
+"""Users of the engine, not parts of it: benchmarks and the checkpoints they build."""

@@ -1,0 +1,68 @@
+"""The opaque-op list (`ember.compiler.boundaries`) names real ops, each registered by the module
+it names, and the ops not opchecked elsewhere pass `torch.library.opcheck`."""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import pytest
+import torch
+
+from ember import kernels
+from ember.compiler.boundaries import OPAQUE_OPS, register
+
+
+def _optional_backend_missing(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("op", sorted(OPAQUE_OPS))
+def test_each_listed_op_is_registered_by_its_module(op):
+    module = OPAQUE_OPS[op]
+    if module.startswith("ember.attention.") and _optional_backend_missing(module):
+        pytest.skip(f"{module} needs an optional library")
+    if module == "ember.kernels" and not kernels.available():
+        pytest.skip("no C++ compiler")
+    register(op)
+    namespace, name = op.split("::")
+    assert hasattr(getattr(torch.ops, namespace), name)
+
+
+def test_every_cpp_op_is_listed():
+    source = open(kernels.SOURCES[0]).read()
+    defined = set(re.findall(r'm\.def\(\s*"(\w+)\(', source))
+    assert defined and {f"ember_cpu::{d}" for d in defined} <= set(OPAQUE_OPS)
+
+
+def test_write_kv_cache_opcheck_and_reference():
+    register("ember::write_kv_cache")
+    g = torch.Generator().manual_seed(0)
+    cache = torch.zeros(2, 4, 4, 2, 8)
+    key, value = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
+    slots = torch.tensor([3, 4, 9, 10, 15])
+    torch.ops.ember.write_kv_cache(cache, key, value, slots)
+    assert torch.equal(cache[0].view(-1, 2, 8)[slots], key)
+    assert torch.equal(cache[1].view(-1, 2, 8)[slots], value)
+    torch.library.opcheck(torch.ops.ember.write_kv_cache.default, (cache, key, value, slots))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 70])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_linear_matches_fp32_math_and_opcheck(rows, bias):
+    if not kernels.available():
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 67, generator=g)  # odd K: the scalar tail of the SIMD loop
+    w = torch.randn(45, 67, generator=g).bfloat16()
+    b = torch.randn(45, generator=g) if bias else None
+    out = torch.ops.ember_cpu.bf16_linear(x, w, b)
+    ref = torch.nn.functional.linear(x, w.float(), b)
+    # Steps past the GEMV size run ATen's bf16 GEMM (bf16 activations): a looser bar there.
+    tol = 1e-4 if rows <= 8 else 5e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol * 10)
+    torch.library.opcheck(torch.ops.ember_cpu.bf16_linear.default, (x, w, b))
