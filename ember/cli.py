@@ -9,8 +9,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
+from ember import LLM, SamplingParams
 from ember.host import user_cache_dir
 from ember.runtime.config import EngineArgs
+from ember.tools import bench
+from ember.tools.checkpoints import build_checkpoint, default_model_dir
 
 
 def _add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -26,16 +31,12 @@ def _engine_args(args: argparse.Namespace, model: str, **overrides: Any) -> Engi
 def _resolve_model(model: str | None) -> str:
     if model:
         return model
-    from ember.tools.checkpoints import build_checkpoint, default_model_dir
-
     path = default_model_dir()
     print(f"no --model given: using the small random-init Llama at {path}", file=sys.stderr)
     return build_checkpoint(path, "small-llama", seed=0)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ember import LLM, SamplingParams
-
     t0 = time.perf_counter()
     engine_args = _engine_args(args, _resolve_model(args.model))
     llm = LLM(**dataclasses.asdict(engine_args))
@@ -67,9 +68,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
-    import torch
-
-    from ember import LLM
 
     if not args.model or not args.text:
         print("ember embed: give --model DIR and at least one TEXT", file=sys.stderr)
@@ -102,8 +100,6 @@ def default_compile_cache_dir() -> str:
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
-    from ember import LLM
-
     cache_dir = args.cache_dir or default_compile_cache_dir()
     engine_args = _engine_args(
         args, _resolve_model(args.model), compile=True, compile_cache_dir=cache_dir
@@ -123,9 +119,6 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ember import LLM
-    from ember.tools import bench
-
     model_dir = args.model or bench.bench_checkpoint(args.shape, args.dtype)
     workload = bench.WORKLOADS[args.workload]
     cache_dir = None if args.no_cache else default_compile_cache_dir()
