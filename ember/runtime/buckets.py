@@ -9,15 +9,14 @@ Measured on llama-160m, fp32, 2 cores (forward ms; compile s per graph):
   static per bucket (unfrozen): T=1 25.1, T=32 139.8, T=256 224.3; ~20 s each, 12 buckets for
   a 2048-token budget = 262 s cold start.
   one dynamic graph:            T=2 32.9, T=8 57.2, T=32 124.8, T=256 242.5; ~30 s once.
-So the default ladder is (1,) (batch-1 decode keeps its faster static graph) plus the dynamic
-graph: 2 compiles instead of 12, at most ~8% slower on large steps.
+So the default ladder (`EngineArgs.token_buckets`) is (1,) (batch-1 decode keeps its faster
+static graph) plus the dynamic graph: 2 compiles instead of 12, at most ~8% slower on large
+steps.
 """
 
 from __future__ import annotations
 
 import bisect
-
-DEFAULT_TOKEN_BUCKETS = (1,)
 
 # Dynamic dims specialise on sizes 0 and 1, so every step carries at least this many sequences
 # (extra ones are empty padding sequences) and dynamic-token steps at least 2 tokens.
