@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ember import LLM, SamplingParams
+from ember import LLM, SamplingParams, host
 from ember.host import user_cache_dir
 from ember.runtime.config import EngineArgs
 from ember.tools import bench
@@ -118,8 +119,19 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+# What forcing the AVX2 paths sets for ATen and oneDNN; read when torch is imported, so a bench
+# run with `--cpu-isa avx2` starts itself again with them.
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    model_dir = args.model or bench.bench_checkpoint(args.shape, args.dtype)
+    if args.cpu_isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        env = dict(os.environ, **AVX2_ENV)
+        os.execve(sys.executable, [sys.executable, "-m", "ember.cli", *sys.argv[1:]], env)
+    checkpoint_dtype = args.checkpoint_dtype or (
+        "float32" if args.dtype in ("float32", "int8") else "bfloat16"
+    )
+    model_dir = args.model or bench.bench_checkpoint(args.shape, checkpoint_dtype)
     workload = bench.WORKLOADS[args.workload]
     cache_dir = None if args.no_cache else default_compile_cache_dir()
     engine_args = _engine_args(args, model_dir, compile_cache_dir=cache_dir)
@@ -134,6 +146,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bytes_per_token = bench.decode_bytes_per_token(model)
     flops = bench.workload_flops(model, workload)
     warm = engine.compile_cache_hit
+    profile = bench.profile_decode_steps(llm) if args.profile else None
     llm.close()
     if args.compare == "hf":
         results.append(bench.run_hf(model_dir, dtype, workload, args.repeats))
@@ -149,7 +162,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         flops=flops,
         warm_start=warm,
     )
+    cfg = llm.config
+    checkpoint = args.model or f"{args.shape} {checkpoint_dtype}"
+    print(
+        f"{host.cpu_description()}; ember kernels: cpu_isa={cfg.cpu_isa}, ATen: "
+        f"{torch.backends.cpu.get_cpu_capability()}; checkpoint {checkpoint}, "
+        f"weights {cfg.quantization or str(cfg.weight_dtype).removeprefix('torch.')}, "
+        f"math/KV {str(dtype).removeprefix('torch.')}"
+    )
     print(bench.format_table(report))
+    if profile is not None:
+        print(bench.format_profile(profile, bytes_per_token, report.bandwidth_gbs))
     return 0
 
 
@@ -165,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sample-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.set_defaults(func=cmd_generate)
+    # A one-shot run does not wait for compilation (about 90 s on 2 cores): eager unless asked.
+    gen.set_defaults(func=cmd_generate, compile=False)
     emb = sub.add_parser("embed", help="embed texts; print norms and pairwise cosine similarity")
     _add_engine_args(emb)
     emb.add_argument("text", nargs="*", help="texts to embed")
@@ -199,6 +223,19 @@ def build_parser() -> argparse.ArgumentParser:
         "static-cache torch.compile too",
     )
     bench_p.add_argument("--repeats", type=int, default=3)
+    bench_p.add_argument(
+        "--checkpoint-dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="dtype the built benchmark checkpoint is stored in (default: bfloat16, as most "
+        "checkpoints are; float32 for --dtype float32 or int8)",
+    )
+    bench_p.add_argument(
+        "--profile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="profile batch-1 decode steps: graph (linears, attention, other) vs host time",
+    )
     bench_p.add_argument(
         "--no-cache",
         action="store_true",

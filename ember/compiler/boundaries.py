@@ -22,6 +22,7 @@ OPAQUE_OPS: dict[str, str] = {
     "ember_cpu::paged_attention_cpu": "ember.kernels",
     "ember_cpu::woq_int8_linear": "ember.kernels",
     "ember_cpu::bf16_linear": "ember.kernels",
+    "ember_cpu::fp32_linear": "ember.kernels",
 }
 
 

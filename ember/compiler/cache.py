@@ -51,6 +51,7 @@ def key_parts(
         ).hexdigest(),
         "architecture": (getattr(hf_config, "architectures", None) or ["?"])[0],
         "dtype": str(loaded.dtype).removeprefix("torch."),
+        "weight_dtype": str(loaded.weight_dtype).removeprefix("torch."),
         "buckets": list(buckets),
         "dynamic_graph": dynamic_graph,
         "block_size": block_size,
@@ -60,6 +61,7 @@ def key_parts(
         "quantization": loaded.quantization,
         "torch": torch.__version__,
         "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+        "kernels_isa": loaded.cpu_isa,
         "ember": __version__,
     }
 

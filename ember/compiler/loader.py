@@ -22,7 +22,7 @@ from ember import kernels
 from ember.attention import AttentionBackend
 from ember.compiler.hf_bridge import register_attention
 from ember.compiler.hf_config import ModelSpec, UnsupportedModelError
-from ember.compiler.quant import quantize_int8_, use_bf16_gemv_
+from ember.compiler.quant import GemvLinear, quantize_int8_, use_gemv_
 from ember.lora.layers import LoRALinear, install_lora
 
 logger = logging.getLogger("ember")
@@ -51,8 +51,10 @@ class LoadedModel:
     spec: ModelSpec
     tokenizer: PreTrainedTokenizerBase | None
     dtype: torch.dtype
+    weight_dtype: torch.dtype
     quantization: str | None
     attention_backend: str
+    cpu_isa: str
     kv_layer_shapes: tuple[tuple[int, int], ...]
     lora: LoRAShape | None = None
     lora_layers: dict[str, LoRALinear] | None = None
@@ -65,14 +67,29 @@ def load_model(
     backend: AttentionBackend,
     quantization: str | None = None,
     lora: LoRAShape | None = None,
+    weight_dtype: torch.dtype | None = None,
+    kernel_linears: bool = True,
+    cpu_isa: str = "native",
 ) -> LoadedModel:
-    """Load `spec`'s weights (safetensors, offline) in `dtype`, eval mode, with every rewrite
-    above: the causal LM, the encoder-decoder LM, or the encoder base model of an embedding
-    model."""
+    """Load `spec`'s weights (safetensors, offline), eval mode, with every rewrite above: the
+    causal LM, the encoder-decoder LM, or the encoder base model of an embedding model.
+
+    Linear weights are stored in `weight_dtype` (default `dtype`) or quantized; everything else
+    (activations, norms, biases) runs in `dtype`. bf16 weights under fp32 math are read by
+    ember's kernels (`cpu_isa` build), which widen them to fp32 as they go; the input embedding
+    table stays in `weight_dtype` too (a lookup reads one row) and its output is widened.
+    `kernel_linears`: route bf16/fp32 linears through ember's GEMV (off for frozen graphs,
+    whose linears inductor prepacks).
+    """
+    weight_dtype = weight_dtype or dtype
+    narrow = weight_dtype != dtype and quantization is None
+    if narrow and not kernels.available(cpu_isa):
+        logger.warning("ember's kernels are unavailable: linear weights stored in %s", dtype)
+        weight_dtype, narrow = dtype, False
     try:
         model = spec.auto_class.from_pretrained(
             spec.model_dir,
-            dtype=dtype,
+            dtype=weight_dtype,
             attn_implementation=register_attention(backend),
             local_files_only=True,
             use_safetensors=None,
@@ -86,21 +103,43 @@ def load_model(
     if lora is not None:  # before narrowing, which then reaches the wrapped base linears too
         layers, token_slots = install_lora(model, lora.max_loras, lora.max_rank, lora.max_tokens)
     if quantization == "int8":
+        kernels.load(cpu_isa)
         quantize_int8_(model)
-    elif dtype == torch.bfloat16 and kernels.available():
-        use_bf16_gemv_(model)
+    elif (kernel_linears or narrow) and kernels.available(cpu_isa):
+        use_gemv_(model)
+    if narrow:
+        _widen_all_but_linear_weights(model, dtype)
     return LoadedModel(
         model=model,
         spec=spec,
         tokenizer=load_tokenizer(spec.model_dir),
         dtype=dtype,
+        weight_dtype=weight_dtype,
         quantization=quantization,
         attention_backend=backend.name,
+        cpu_isa=cpu_isa,
         kv_layer_shapes=kv_layer_shapes(model, spec),
         lora=lora,
         lora_layers=layers,
         lora_token_slots=token_slots,
     )
+
+
+def _widen_all_but_linear_weights(model: PreTrainedModel, dtype: torch.dtype) -> None:
+    """Every floating parameter and buffer in `dtype`, except the weights `GemvLinear`s read
+    narrow and the input embedding table, whose output is widened instead (a tied LM head
+    shares that table, so it stays one tensor)."""
+    embed = model.get_input_embeddings()
+    keep = {id(m.weight) for m in model.modules() if isinstance(m, GemvLinear)}
+    keep.add(id(embed.weight))
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != dtype and id(param) not in keep:
+                param.data = param.data.to(dtype)
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf.is_floating_point() and buf.dtype != dtype and id(buf) not in keep:
+                module._buffers[name] = buf.to(dtype)
+    embed.register_forward_hook(lambda _module, _args, out: out.to(dtype))
 
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase | None:

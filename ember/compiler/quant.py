@@ -63,22 +63,31 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-class Bf16Linear(nn.Module):
-    """nn.Linear with a bf16 weight through `ember_cpu::bf16_linear` (see the module doc)."""
+class GemvLinear(nn.Module):
+    """nn.Linear with a bf16 or fp32 weight through ember's kernels (`ember_cpu::bf16_linear` /
+    `fp32_linear`): the fused GEMV for decode-sized steps; see the module doc for larger ones.
+    Holds the same weight Parameter, so tied weights stay tied."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         kernels.load()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.weight = linear.weight  # the same Parameter: tied weights stay tied
+        self.weight = linear.weight
         self.bias = linear.bias
+        if self.weight.dtype == torch.bfloat16:
+            self.op = torch.ops.ember_cpu.bf16_linear.default
+        elif self.weight.dtype == torch.float32:
+            self.op = torch.ops.ember_cpu.fp32_linear.default
+        else:
+            raise ValueError(f"GemvLinear needs a bf16 or fp32 weight, got {self.weight.dtype}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.ember_cpu.bf16_linear(x, self.weight, self.bias)
+        return self.op(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bf16 GEMV"
+        dtype = str(self.weight.dtype).removeprefix("torch.")
+        return f"in_features={self.in_features}, out_features={self.out_features}, {dtype} GEMV"
 
 
 def _replace_linears(model: nn.Module, make: type[nn.Module]) -> int:
@@ -92,9 +101,10 @@ def _replace_linears(model: nn.Module, make: type[nn.Module]) -> int:
     return len(targets)
 
 
-def use_bf16_gemv_(model: nn.Module) -> int:
-    """Route every bf16 nn.Linear of `model` through `Bf16Linear`, in place; returns how many."""
-    return _replace_linears(model, Bf16Linear)
+def use_gemv_(model: nn.Module) -> int:
+    """Route every bf16/fp32 nn.Linear of `model` through `GemvLinear`, in place; returns how
+    many."""
+    return _replace_linears(model, GemvLinear)
 
 
 def quantize_int8_(model: nn.Module) -> int:

@@ -22,11 +22,15 @@ and y float32, w int8 [N, K] and one float32 scale per output channel. fp32 math
 - Between the two (batched decodes), or for larger weights: each thread widens a tile of weight
   rows into an L2-sized fp32 buffer and runs one GEMM on it, so no full fp32 copy is written.
 
-`ember_cpu::bf16_linear(x, w_bf16, bias?)`: the same fused GEMV for bf16 weights (decodes);
-larger steps go to ATen's bf16 GEMM.
+`ember_cpu::bf16_linear(x, w_bf16, bias?)`: bf16 weights. With fp32 activations (CPUs without
+native bf16 math) the same paths as int8, all fp32 math; with bf16 activations, the GEMV for
+decodes and ATen's bf16 GEMM (AMX / AVX512-BF16) above.
 
-Built with `-O3 -march=native` into `$XDG_CACHE_HOME/ember/kernels/<hash>`, keyed by source,
-flags, torch version and CPU ISA; a later process loads the built library (about 0.1 s). The
+`ember_cpu::fp32_linear(x, w_fp32, bias?)`: the GEMV for fp32 weights (decodes); ATen above.
+
+Built with `-O3 -march=native` (or, for `cpu_isa="avx2"`, `-march=x86-64-v3`: the AVX2 paths on
+an AVX-512 machine) into `$XDG_CACHE_HOME/ember/kernels/<isa>-<hash>`, keyed by source, flags,
+torch version and CPU ISA; a later process loads the built library (about 0.1 s). The
 fake (shape) implementations sit beside the build below; `torch.library.opcheck` tests each op.
 """
 
@@ -44,7 +48,10 @@ from ember.host import user_cache_dir
 logger = logging.getLogger("ember")
 
 SOURCES = (os.path.join(os.path.dirname(__file__), "csrc", "ember_cpu.cpp"),)
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_CFLAGS = ["-O3", "-fopenmp"]
+# Per `ember.host.CPU_ISAS`: the native build, or AVX2 + FMA without AVX-512 (x86-64-v3).
+_ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=native"]}
+_loaded_isa: str | None = None
 
 
 def _register_fakes() -> None:
@@ -58,29 +65,52 @@ def _register_fakes() -> None:
     def _(x, w, bias):  # noqa: ANN001, ANN202
         return x.new_empty((*x.shape[:-1], w.shape[0]))
 
+    @torch.library.register_fake("ember_cpu::fp32_linear")
+    def _(x, w, bias):  # noqa: ANN001, ANN202
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
 
-@functools.cache
-def load() -> None:
-    """Build (first time on this machine) and load the kernels; registers `ember_cpu` ops.
-    Needs a C++ compiler, as inductor does; raises RuntimeError naming the build dir if the
-    build fails."""
+
+def loaded_isa() -> str | None:
+    """The ISA the kernels of this process were built for, or None before `load`."""
+    return _loaded_isa
+
+
+def load(isa: str | None = None) -> None:
+    """Build (first time on this machine) and load the kernels for `isa` (None: the loaded one,
+    else "native"); registers `ember_cpu` ops. A process holds one build: asking for another
+    ISA after loading raises RuntimeError. Needs a C++ compiler, as inductor does; raises
+    RuntimeError naming the build dir if the build fails."""
+    global _loaded_isa
+    if _loaded_isa is not None:
+        if isa not in (None, _loaded_isa):
+            raise RuntimeError(
+                f"ember's kernels are loaded for cpu_isa={_loaded_isa!r} in this process; "
+                f"cpu_isa={isa!r} needs a new process"
+            )
+        return
+    isa = isa or "native"
+    _build_and_load(isa, _CFLAGS + _ISA_FLAGS[isa])
+    _loaded_isa = isa
+
+
+def _build_and_load(isa: str, cflags: list[str]) -> None:
     from torch.utils import cpp_extension  # slow to import: only when the kernels are used
 
     digest = hashlib.sha256()
     for path in SOURCES:
         with open(path, "rb") as f:
             digest.update(f.read())
-    for part in (*_CFLAGS, torch.__version__, torch.backends.cpu.get_cpu_capability()):
+    for part in (*cflags, torch.__version__, torch.backends.cpu.get_cpu_capability()):
         digest.update(part.encode())
     key = digest.hexdigest()[:16]
-    build_dir = user_cache_dir("kernels", f"ember_cpu-{key}")
+    build_dir = user_cache_dir("kernels", f"ember_cpu-{isa}-{key}")
     os.makedirs(build_dir, exist_ok=True)
     logger.info("loading ember_cpu kernels from %s (built on first use)", build_dir)
     try:
         cpp_extension.load(
             name=f"ember_cpu_{key}",
             sources=list(SOURCES),
-            extra_cflags=_CFLAGS,
+            extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
             build_directory=build_dir,
             is_python_module=False,
@@ -91,12 +121,18 @@ def load() -> None:
 
 
 @functools.cache
-def available() -> bool:
-    """True when the kernels are loaded; False (logged once) when they cannot be built here,
-    and callers with a pure-PyTorch path take it."""
+def _build_failed(isa: str | None) -> str | None:
     try:
-        load()
+        load(isa)
     except RuntimeError as e:
         logger.warning("%s; using the PyTorch fallbacks", e)
-        return False
-    return True
+        return str(e)
+    return None
+
+
+def available(isa: str | None = None) -> bool:
+    """True when the kernels are loaded (for `isa`, as `load` takes it); False (logged once)
+    when they cannot be built here, and callers with a pure-PyTorch path take it."""
+    if _loaded_isa is not None and isa in (None, _loaded_isa):
+        return True
+    return _build_failed(isa) is None

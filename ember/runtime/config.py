@@ -19,7 +19,7 @@ import torch
 from ember.attention import BACKEND_NAMES, select_backend
 from ember.compiler.hf_config import ModelSpec, read_model_spec
 from ember.compiler.quant import QUANTIZATIONS
-from ember.host import cpu_has_native_bf16
+from ember.host import CPU_ISAS, cpu_has_native_bf16
 from ember.runtime.pooling import max_seq_length
 
 _DTYPES = {
@@ -95,6 +95,14 @@ class EngineArgs:
     enable_lora: bool = field(default=False, metadata=_help("serve LoRA adapters"))
     max_loras: int = field(default=4, metadata=_help("adapters resident in one step"))
     max_lora_rank: int = field(default=16, metadata=_help("largest adapter rank"))
+    cpu_isa: str = field(
+        default="native",
+        metadata=_help(
+            "ISA of ember's own kernels and its native-bf16 decision: native, or avx2 to take "
+            "the AVX2 paths on an AVX-512 machine (one ISA per process)",
+            choices=CPU_ISAS,
+        ),
+    )
 
     def create_engine_config(self) -> EngineConfig:
         """Read the checkpoint's config once, resolve "auto" values against it and the CPU,
@@ -115,14 +123,19 @@ class EngineArgs:
                 f"max_model_len must be <= the model's max_position_embeddings={max_positions}, "
                 f"got {max_model_len}"
             )
-        run_dtype = resolve_dtype(dtype, spec.checkpoint_dtype)
+        if self.cpu_isa not in CPU_ISAS:
+            raise ValueError(f"cpu_isa must be one of {CPU_ISAS}, got {self.cpu_isa!r}")
+        weight_dtype = resolve_dtype(dtype, spec.checkpoint_dtype)
+        run_dtype = compute_dtype(weight_dtype, self.cpu_isa)
         backend = select_backend(self.attention_backend, spec.attention_features(run_dtype))
         buckets = tuple(b for b in self.token_buckets if b <= self.max_num_batched_tokens)
         return EngineConfig(
             model=self.model,
             model_spec=spec,
             dtype=run_dtype,
+            weight_dtype=weight_dtype,
             quantization=quantization,
+            cpu_isa=self.cpu_isa,
             kv_cache_gib=self.kv_cache_gib,
             block_size=self.block_size,
             max_num_seqs=self.max_num_seqs,
@@ -182,18 +195,16 @@ def _check_range(name: str, value: int | float, low: int | float, high: int | fl
 
 
 def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None) -> torch.dtype:
-    """Map a user dtype ("auto", "float32", "bfloat16", "float16", torch.dtype) to the run dtype.
+    """Map a user dtype ("auto", "float32", "bfloat16", "float16", torch.dtype) to the dtype the
+    linear weights are stored in.
 
-    "auto" is float32 on CPUs without native bf16 math, where bf16 GEMMs are several times
-    slower; else the checkpoint's dtype. float16 is cast to bfloat16 with a warning.
+    "auto" keeps a 16-bit checkpoint's weights in 16 bits (a batch-1 decode step reads every
+    weight once) and an fp32 checkpoint's in fp32. float16 is cast to bfloat16 with a warning.
     """
     if isinstance(dtype, torch.dtype):
         resolved = dtype
     elif dtype == "auto":
-        if not cpu_has_native_bf16() or config_dtype in (None, torch.float32):
-            resolved = torch.float32
-        else:
-            resolved = torch.bfloat16
+        resolved = torch.float32 if config_dtype in (None, torch.float32) else torch.bfloat16
     elif isinstance(dtype, str) and dtype in _DTYPES:
         resolved = _DTYPES[dtype]
     else:
@@ -208,6 +219,16 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None) ->
     return resolved
 
 
+def compute_dtype(weight_dtype: torch.dtype, cpu_isa: str) -> torch.dtype:
+    """The dtype of activations and the KV cache for weights stored in `weight_dtype`: bf16 only
+    where the CPU has native bf16 math (AVX512-BF16 / AMX); elsewhere bf16 weights are widened
+    to fp32 inside ember's kernels and all math runs in fp32 (ATen's bf16 GEMM on AVX2 ran at
+    ~11 GFLOP/s against ~80 for fp32)."""
+    if weight_dtype == torch.bfloat16 and cpu_has_native_bf16(cpu_isa):
+        return torch.bfloat16
+    return torch.float32
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to know, fixed for the engine's lifetime. Built by
@@ -219,7 +240,8 @@ class EngineConfig:
 
     model: str
     model_spec: ModelSpec = field(compare=False, repr=False)
-    dtype: torch.dtype
+    dtype: torch.dtype  # activations, KV cache and every parameter but the linear weights
+    weight_dtype: torch.dtype  # linear weights (unless quantized)
     # Weight-only quantization of every linear layer: None or "int8" (per-output-channel
     # scales; activations, KV cache and math stay in `dtype`, which must be float32).
     quantization: str | None
@@ -238,6 +260,7 @@ class EngineConfig:
     enable_lora: bool
     max_loras: int
     max_lora_rank: int
+    cpu_isa: str
 
     def __post_init__(self) -> None:
         _check_range("kv_cache_gib", self.kv_cache_gib, 1e-6, 1024)

@@ -101,6 +101,9 @@ class LLMEngine:
             get_backend(config.attention_backend),
             config.quantization,
             lora,
+            weight_dtype=config.weight_dtype,
+            kernel_linears=not config.freeze_weights,
+            cpu_isa=config.cpu_isa,
         )
         num_blocks = KVCacheSpec.num_blocks_for(
             config.kv_cache_gib, loaded.kv_layer_shapes, config.block_size, config.dtype

@@ -151,9 +151,13 @@ class ModelRunner:
                 [t for t in (meta.block_tables, meta.cross_block_tables) if t is not None],
                 [batch.input_ids, batch.positions, meta.slot_mapping] if dynamic_tokens else [],
             )
-        if forward is self.forwards.encoder:
-            return forward(batch.input_ids, batch.positions, meta, self.kv_caches)
-        return forward(batch.input_ids, batch.positions, batch.logits_indices, meta, self.kv_caches)
+        # A profiler range (`ember bench` splits a step into graph and host time with it).
+        with torch.profiler.record_function("ember::forward"):
+            if forward is self.forwards.encoder:
+                return forward(batch.input_ids, batch.positions, meta, self.kv_caches)
+            return forward(
+                batch.input_ids, batch.positions, batch.logits_indices, meta, self.kv_caches
+            )
 
     # ---- warm-up -----------------------------------------------------------------------------
     @torch.inference_mode()

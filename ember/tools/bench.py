@@ -276,3 +276,72 @@ def format_table(report: Report) -> str:
         f"{achieved / report.gemm_gflops:.0%} of the compute roofline"
     )
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Where a batch-1 decode step's time goes (ms per step, medians over steps where timed):
+    `step` wall time; `graph` inside the forward (compiled region, or the eager forward), split
+    into `linears` (every projection and the LM head), `attention` (the paged-attention op) and
+    `other` (norms, RoPE, activations: inductor's fused kernels, and guard checks); `host` is
+    the rest of the step (scheduling, batch building, sampling, detokenization, outputs)."""
+
+    step: float
+    graph: float
+    linears: float
+    attention: float
+    other: float
+    host: float
+
+
+_LINEAR_OPS = ("ember_cpu::fp32_linear", "ember_cpu::bf16_linear", "ember_cpu::woq_int8_linear")
+_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::linear")
+
+
+def profile_decode_steps(llm: Any, context: int = 128, steps: int = 32) -> StepProfile:
+    """Profile `steps` batch-1 decode steps at about `context` tokens with torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.llm_engine
+    prompt = prompts_for(Workload("profile", 1, context, 0), engine.vocab_size)[0]
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    engine.add_request("profile", {"prompt_token_ids": prompt}, params)
+    for _ in range(4):  # the prefill, then warm decodes
+        engine.step()
+    walls = []
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                t = time.perf_counter()
+                engine.step()
+                walls.append(time.perf_counter() - t)
+    finally:
+        engine.abort_request("profile")
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        totals[event.key] = totals.get(event.key, 0.0) + event.cpu_time_total / 1e3
+    self_times = {e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()}
+    per = 1.0 / steps
+    graph = totals.get("ember::forward", 0.0) * per
+    linears = sum(totals.get(k, 0.0) for k in _LINEAR_OPS)
+    linears += sum(self_times.get(k, 0.0) for k in _GEMM_OPS)
+    attention = sum(v for k, v in totals.items() if k.startswith("ember::paged_attention"))
+    step = statistics.median(walls) * 1e3
+    linears, attention = linears * per, attention * per
+    return StepProfile(
+        step=step,
+        graph=graph,
+        linears=linears,
+        attention=attention,
+        other=max(graph - linears - attention, 0.0),
+        host=max(step - graph, 0.0),
+    )
+
+
+def format_profile(p: StepProfile, bytes_per_token: int, bandwidth_gbs: float) -> str:
+    linear_gbs = bytes_per_token / (p.linears * 1e-3) / 1e9 if p.linears else 0.0
+    return (
+        f"batch-1 decode step (profiled, ms): step {p.step:.2f} = graph {p.graph:.2f} "
+        f"[linears {p.linears:.2f} ({linear_gbs:.1f} GB/s of {bandwidth_gbs:.1f}), attention "
+        f"{p.attention:.2f}, other {p.other:.2f}] + host {p.host:.2f}"
+    )

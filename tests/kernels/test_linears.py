@@ -1,0 +1,72 @@
+"""ember's fp32/bf16 linear kernels (int8: tests/e2e/test_int8.py) against fp32 references at odd sizes, every path (GEMV, tiles, whole
+widening), and opcheck. The AVX2 build (`cpu_isa="avx2"`) runs the same checks in a process of
+its own (one kernel build per process)."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ember import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler")
+
+# GEMV (<= 8 rows), tiled widening (9..63), whole-weight widening (>= 64).
+ROWS = [1, 3, 8, 9, 33, 64, 130]
+
+
+def _case(rows: int, n: int = 45, k: int = 67, bias: bool = True):
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_linear_matches_aten(rows, bias):
+    x, w, b = _case(rows, bias=bias)
+    torch.testing.assert_close(
+        torch.ops.ember_cpu.fp32_linear(x, w, b), torch.nn.functional.linear(x, w, b)
+    )
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n", [45, 300])  # 300: more than one tile of 128 rows
+def test_bf16_weights_fp32_activations_match_fp32_math(rows, n):
+    x, w, b = _case(rows, n=n)
+    wb = w.bfloat16()
+    out = torch.ops.ember_cpu.bf16_linear(x, wb, b)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, wb.float(), b))
+
+
+def test_linears_keep_leading_dims_and_opcheck():
+    x, w, b = _case(6)
+    x3 = x.view(2, 3, -1)
+    assert torch.ops.ember_cpu.fp32_linear(x3, w, b).shape == (2, 3, 45)
+    for rows in (2, 12):
+        x, w, b = _case(rows)
+        torch.library.opcheck(torch.ops.ember_cpu.fp32_linear.default, (x, w, b))
+        torch.library.opcheck(torch.ops.ember_cpu.bf16_linear.default, (x, w.bfloat16(), b))
+
+
+def test_avx2_build_passes_the_same_checks():
+    """The AVX2 paths (no AVX-512) on whatever machine runs the tests: these linear checks and
+    the paged-attention kernel's."""
+    attention = str(pathlib.Path(__file__).parents[1] / "attention" / "test_paged_attention.py")
+    code = (
+        "import sys, pytest; from ember import kernels; kernels.load('avx2'); "
+        "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-k', 'not avx2 and not triton and not ipex', "
+        f"{__file__!r}, {attention!r}]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert kernels.loaded_isa() != "avx2"  # this process kept its own build
