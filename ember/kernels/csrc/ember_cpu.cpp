@@ -26,6 +26,8 @@ constexpr int64_t kLanes = 16;
 using vfloat = __m512;
 inline vfloat vzero() { return _mm512_setzero_ps(); }
 inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
+inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
 inline vfloat vwiden(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
@@ -42,6 +44,8 @@ constexpr int64_t kLanes = 8;
 using vfloat = __m256;
 inline vfloat vzero() { return _mm256_setzero_ps(); }
 inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
+inline vfloat vset1(float x) { return _mm256_set1_ps(x); }
 inline vfloat vwiden(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
@@ -276,20 +280,45 @@ at::Tensor fp32_linear(const at::Tensor& x_in, const at::Tensor& w,
   return y.view(out_shape);
 }
 
+// q . k over one head's D values (k widened to fp32), and acc += p * v.
+template <typename C>
+inline float dot_row(const float* q, const C* k, int64_t D) {
+  int64_t d = 0;
+  float dot = 0.f;
+#ifdef EMBER_SIMD
+  vfloat a = vzero();
+  for (; d + kLanes <= D; d += kLanes) a = vfma(vload(q + d), vwiden(k + d), a);
+  dot = vsum(a);
+#endif
+  for (; d < D; ++d) dot += q[d] * to_float(k[d]);
+  return dot;
+}
+
+template <typename C>
+inline void add_scaled_row(float* acc, float p, const C* v, int64_t D) {
+  int64_t d = 0;
+#ifdef EMBER_SIMD
+  const vfloat pv = vset1(p);
+  for (; d + kLanes <= D; d += kLanes) vstore(acc + d, vfma(pv, vwiden(v + d), vload(acc + d)));
+#endif
+  for (; d < D; ++d) acc[d] += p * to_float(v[d]);
+}
+
 // Decode attention straight from the paged cache: one (sequence, K/V head) per task, an online
-// softmax over its context, read block by block in place; the query heads of the GQA group
-// share each K/V row. q, out: [T, H, D] float32; cache: [2, num_blocks, block_size, Hkv, D].
+// softmax over its context, read one cache block at a time in place (scores of the block first,
+// then one rescale per block, not per position); the query heads of the GQA group share each
+// K/V row. q, out: [T, H, D] float32; cache: [2, num_blocks, block_size, Hkv, D].
 template <typename C>
 void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
                     const std::vector<int64_t>& seqs, const int64_t* qsl, const int64_t* lens,
                     const int64_t* tables, int64_t max_blocks, int64_t H, float sc,
                     int64_t sliding_window) {
   const int64_t NB = cache.size(1), BS = cache.size(2), Hkv = cache.size(3), D = cache.size(4);
-  const int64_t group = H / Hkv, n = static_cast<int64_t>(seqs.size());
+  const int64_t group = H / Hkv, n = static_cast<int64_t>(seqs.size()), stride = Hkv * D;
   const C* kp = cache.data_ptr<C>();
   const C* vp = kp + NB * BS * Hkv * D;
   at::parallel_for(0, n * Hkv, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<float> acc(group * D), qs(group * D), m(group), l(group), s(group);
+    std::vector<float> acc(group * D), qs(group * D), m(group), l(group), s(BS);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t i = seqs[u / Hkv], h = u % Hkv, t = qsl[i], len = lens[i];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
@@ -300,33 +329,32 @@ void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
         l[g] = 0.f;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t pos = first; pos < len; ++pos) {
-        const int64_t blk = tables[i * max_blocks + pos / BS];
-        const int64_t row = ((blk * BS + pos % BS) * Hkv + h) * D;
-        const C* kr = kp + row;
-        const C* vr = vp + row;
+      for (int64_t start = first; start < len;) {
+        const int64_t off = start % BS, count = std::min(BS - off, len - start);
+        const int64_t blk = tables[i * max_blocks + start / BS];
+        const C* kb = kp + ((blk * BS + off) * Hkv + h) * D;
+        const C* vb = vp + ((blk * BS + off) * Hkv + h) * D;
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qs.data() + g * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qg[d] * to_float(kr[d]);
-          s[g] = dot;
-        }
-        for (int64_t g = 0; g < group; ++g) {
           float* ag = acc.data() + g * D;
-          if (s[g] > m[g]) {  // new maximum: rescale what is summed so far (one exp either way)
-            const float correction = std::exp(m[g] - s[g]);
-            m[g] = s[g];
-            l[g] = l[g] * correction + 1.f;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] = ag[d] * correction + to_float(vr[d]);
-          } else {
-            const float p = std::exp(s[g] - m[g]);
+          float mx = m[g];
+          for (int64_t j = 0; j < count; ++j) {
+            s[j] = dot_row(qg, kb + j * stride, D);
+            mx = std::max(mx, s[j]);
+          }
+          if (mx > m[g]) {  // a new maximum: rescale what is summed so far
+            const float correction = std::exp(m[g] - mx);
+            l[g] *= correction;
+            for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
+            m[g] = mx;
+          }
+          for (int64_t j = 0; j < count; ++j) {
+            const float p = std::exp(s[j] - mx);
             l[g] += p;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * to_float(vr[d]);
+            add_scaled_row(ag, p, vb + j * stride, D);
           }
         }
+        start += count;
       }
       for (int64_t g = 0; g < group; ++g) {
         float* o = op + (t * H + h * group + g) * D;
