@@ -1,6 +1,7 @@
 """The LoRA-aware wrapper installed around each targeted projection of the HF model.
 
-Every wrapper shares one per-token slot index buffer (filled by the runner before each step)
+Every wrapper shares one per-token slot index buffer (the runner copies each step's
+`ForwardBatch.lora_slots` into it before the forward)
 and owns its module's slot weights `lora_a [max_loras, max_rank, in]` and
 `lora_b [max_loras, out, max_rank]`. All are buffers updated in place, so the compiled graphs
 are the same with and without adapters loaded and never recompile when adapters change.
