@@ -88,6 +88,8 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._parents: dict[str, _ParentState] = {}
         self._child_to_parent: dict[str, str] = {}
+        # Outputs of other requests produced while `embed` ran the loop: the next step's.
+        self._held: list[Any] = []
 
     @classmethod
     def from_config(cls, config: EngineConfig, show_progress: bool = True) -> LLMEngine:
@@ -256,21 +258,22 @@ class LLMEngine:
             self._child_to_parent.pop(child.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        return bool(self._parents or self._held)
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return outputs of requests that got tokens or finished (as
         each request's `SamplingParams.output_kind` asks)."""
+        held, self._held = self._held, []
         plan = self.scheduler.schedule()
         if not plan.requests:
             if self.scheduler.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests waiting")
-            return []
+            return held
         result = self.runner.execute(plan)
         updated, _ = self.scheduler.update(plan, result)
         touched = dict.fromkeys(self._child_to_parent[r.request_id] for r in updated)
-        return [out for pid in touched if (out := self._parent_output(pid)) is not None]
+        return held + [out for pid in touched if (out := self._parent_output(pid)) is not None]
 
     def _parent_output(self, parent_id: str) -> RequestOutput | Any | None:
         """The parent's output as its kind asks (None: nothing to emit this step); a finished
@@ -340,11 +343,14 @@ class LLMEngine:
             for i, (rid, prompt) in enumerate(zip(request_ids, prompts, strict=True)):
                 self.add_embed_request(rid, prompt, i)
                 added.append(rid)
+            wanted = set(added)
             outputs: dict[str, EmbeddingRequestOutput] = {}
             while len(outputs) < len(added):
                 for out in self.step():
-                    if isinstance(out, EmbeddingRequestOutput) and out.request_id in added:
+                    if isinstance(out, EmbeddingRequestOutput) and out.request_id in wanted:
                         outputs[out.request_id] = out
+                    else:  # a request in flight beside the embeddings: keep it for step()
+                        self._held.append(out)
         except BaseException:
             for rid in added:
                 self.abort_request(rid)

@@ -199,3 +199,23 @@ def test_cli_embed_prints_norms_and_cosines():
     rows = [line.split() for line in out.splitlines() if line.startswith("[0]  ")]
     cos01, cos02 = float(rows[0][2]), float(rows[0][3])
     assert cos01 > cos02 + 0.2
+
+
+def test_embed_beside_requests_in_flight_keeps_their_outputs(checkpoint_dir):
+    """Embeddings are scheduled like other requests: a generate request in flight keeps
+    running while `embed` drives the loop, and none of its outputs is lost."""
+    d = checkpoint_dir("tiny-llama")
+    prompts = make_prompts(3, seed=5, low=3, high=20)
+    llm = LLM(model=d, compile=False, dtype="float32", kv_cache_gib=0.01, max_model_len=64)
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request("gen", {"prompt_token_ids": prompts[0]}, params)
+    seen = [len(o.outputs[0].token_ids) for o in engine.step()]
+    embeds = engine.embed(["e1", "e2"], [{"prompt_token_ids": p} for p in prompts[1:]])
+    assert [e.request_id for e in embeds] == ["e1", "e2"]
+    while engine.has_unfinished_requests():
+        seen += [len(o.outputs[0].token_ids) for o in engine.step() if o.request_id == "gen"]
+    assert seen == [1, 2, 3, 4, 5, 6]  # one cumulative output per token, none dropped
+    alone = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
+    assert len(alone[0].outputs[0].token_ids) == 6
+    assert engine.num_free_blocks() == engine.block_manager.num_usable_blocks
