@@ -62,3 +62,86 @@ def test_bf16_weights_fp32_math_match_hf_fp32_compiled(checkpoint_dir):
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["weights"] == ["torch.bfloat16"] and got["kv"] == ["torch.float32"]
     assert got["tokens"] == hf_greedy(d, prompts, 12, dtype=torch.float32)
+
+
+_CHILD_ENCODERS = """
+import json, sys
+import torch
+from ember import LLM, SamplingParams
+bart, bert = sys.argv[1], sys.argv[2]
+kw = dict(cpu_isa="avx2", compile=False, kv_cache_gib=0.01, use_tqdm=False)
+out = {}
+with LLM(model=bart, **kw) as llm:
+    assert (llm.config.dtype, llm.config.weight_dtype) == (torch.float32, torch.bfloat16)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = {"encoder_prompt": {"prompt_token_ids": [5, 6, 7, 8, 9, 10]}, "decoder_prompt": ""}
+    out["bart"] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+with LLM(model=bert, **kw) as llm:
+    out["bert"] = llm.embed([{"prompt_token_ids": [2, 5, 6, 7, 8, 3]}], use_tqdm=False)[
+        0
+    ].outputs.embedding
+print(json.dumps(out))
+"""
+
+
+def test_encoder_decoder_and_encoder_with_bf16_weights_fp32_math(tmp_path):
+    """BART (learned positions, a bias on the logits) and BERT (position and token-type
+    embeddings, LayerNorms) stored in bf16: the non-linear parameters are widened, the linears
+    read bf16, and the results equal HF's in fp32 on the same weights."""
+    from transformers import BartConfig, BartForConditionalGeneration, BertConfig, BertModel
+
+    torch.manual_seed(0)
+    bart_config = BartConfig(
+        vocab_size=300,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_position_embeddings=128,
+        init_std=0.1,
+        tie_word_embeddings=False,
+        forced_bos_token_id=None,
+        forced_eos_token_id=None,
+    )
+    BartForConditionalGeneration(bart_config).to(torch.bfloat16).save_pretrained(tmp_path / "b")
+    bert_config = BertConfig(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        architectures=["BertModel"],
+    )
+    BertModel(bert_config).to(torch.bfloat16).save_pretrained(tmp_path / "e")
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD_ENCODERS, str(tmp_path / "b"), str(tmp_path / "e")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    hf = BartForConditionalGeneration.from_pretrained(tmp_path / "b", dtype=torch.float32)
+    start = hf.config.decoder_start_token_id
+    with torch.no_grad():
+        ids = hf.eval().generate(
+            torch.tensor([[5, 6, 7, 8, 9, 10]]),
+            decoder_input_ids=torch.tensor([[start]]),
+            max_new_tokens=8,
+            do_sample=False,
+            num_beams=1,
+            min_length=0,
+            no_repeat_ngram_size=0,
+            forced_bos_token_id=None,
+            forced_eos_token_id=None,
+            eos_token_id=None,
+        )
+        assert got["bart"] == ids[0, 1:].tolist()
+        bert = BertModel.from_pretrained(tmp_path / "e", dtype=torch.float32).eval()
+        hidden = bert(input_ids=torch.tensor([[2, 5, 6, 7, 8, 3]])).last_hidden_state[0]
+    ref = torch.nn.functional.normalize(hidden.mean(0), dim=-1)
+    torch.testing.assert_close(torch.tensor(got["bert"]), ref, atol=1e-5, rtol=1e-5)
