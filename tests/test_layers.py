@@ -64,4 +64,3 @@ def test_imports_flow_down_the_layers():
             if _layer(imported) > _layer(module):
                 wrong.append(f"{module} imports {imported}")
     assert not wrong, "\n".join(wrong)
-

@@ -65,8 +65,6 @@ def test_avx2_build_passes_the_same_checks():
         "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-k', 'not avx2 and not triton and not ipex', "
         f"{__file__!r}, {attention!r}]))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600
-    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert kernels.loaded_isa() != "avx2"  # this process kept its own build

@@ -49,8 +49,10 @@ def setup(checkpoint_dir, tmp_path_factory):
     return base, loras
 
 
-def peft_greedy(base: str, lora: LoRARequest | None, prompt: list[int]) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(base)
+def peft_greedy(
+    base: str, lora: LoRARequest | None, prompt: list[int], dtype: torch.dtype | str = "auto"
+) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
     if lora is not None:
         model = PeftModel.from_pretrained(model, lora.lora_path)
     with torch.no_grad():
@@ -189,3 +191,39 @@ def test_add_remove_list_loras_and_disabled_engine(setup, checkpoint_dir):
         plain.generate({"prompt_token_ids": [5, 6]}, GREEDY, lora_request=loras[0])
     with pytest.raises(ValueError, match="lora_int_id must be a positive int"):
         LoRARequest("zero", 0, loras[0].lora_path)
+
+
+_CHILD_BF16 = """
+import json, sys
+from ember import LLM, LoRARequest, SamplingParams
+base, adapter, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+llm = LLM(model=base, cpu_isa="avx2", compile=False, enable_lora=True, kv_cache_gib=0.01,
+          max_model_len=128, use_tqdm=False)
+params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False,
+                   lora_request=LoRARequest("all", 1, adapter))
+print(json.dumps([str(llm.config.weight_dtype), out[0].outputs[0].token_ids]))
+"""
+
+
+def test_lora_on_bf16_weights_with_fp32_math_matches_peft(checkpoint_dir, tmp_path):
+    """A bf16 checkpoint on a CPU without native bf16 math (forced): the LoRA wrappers sit on
+    the bf16 GEMV linears and the math is fp32, token-identical to PEFT on the fp32 model."""
+    import json
+    import subprocess
+    import sys
+
+    base = checkpoint_dir("tiny-llama", dtype=torch.bfloat16)
+    adapter = make_adapter(base, str(tmp_path / "all"), 2, 16, ALL)
+    prompt = make_prompts(1, seed=8)[0]
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD_BF16, base, adapter, json.dumps(prompt)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    weight_dtype, tokens = json.loads(out.stdout.strip().splitlines()[-1])
+    assert weight_dtype == "torch.bfloat16"
+    # PEFT on the same (bf16-valued) weights in fp32
+    assert tokens == peft_greedy(base, LoRARequest("all", 1, adapter), prompt, torch.float32)
