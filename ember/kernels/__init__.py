@@ -56,18 +56,13 @@ _loaded_isa: str | None = None
 
 def _register_fakes() -> None:
     """Shape functions of the C++ ops, so torch.compile can trace through them."""
+    for name in ("woq_int8_linear", "bf16_linear", "fp32_linear"):
+        torch.library.register_fake(f"ember_cpu::{name}", _linear_fake)
 
-    @torch.library.register_fake("ember_cpu::woq_int8_linear")
-    def _(x, w, scales, bias):  # noqa: ANN001, ANN202
-        return x.new_empty((*x.shape[:-1], w.shape[0]))
 
-    @torch.library.register_fake("ember_cpu::bf16_linear")
-    def _(x, w, bias):  # noqa: ANN001, ANN202
-        return x.new_empty((*x.shape[:-1], w.shape[0]))
-
-    @torch.library.register_fake("ember_cpu::fp32_linear")
-    def _(x, w, bias):  # noqa: ANN001, ANN202
-        return x.new_empty((*x.shape[:-1], w.shape[0]))
+def _linear_fake(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Tensor:
+    """Every linear op's output: x's leading dims, w's output channels."""
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 def loaded_isa() -> str | None:
