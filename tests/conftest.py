@@ -36,6 +36,49 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
+def build_tiny_bart(path: str, vocab_size: int, dtype: torch.dtype = torch.float32) -> str:
+    """A seeded random BART saved in `dtype`; untied output embeddings, so greedy outputs vary
+    with the input (with tied ones a random BART repeats its input token)."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = BartConfig(
+        vocab_size=vocab_size,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_position_embeddings=128,
+        init_std=0.1,
+        tie_word_embeddings=False,
+        forced_bos_token_id=None,
+        forced_eos_token_id=None,
+    )
+    BartForConditionalGeneration(config).to(dtype).save_pretrained(path)
+    return path
+
+
+def build_tiny_bert(path: str, dtype: torch.dtype = torch.float32) -> str:
+    """A seeded random BertModel (an embedding model) saved in `dtype`."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        architectures=["BertModel"],
+    )
+    BertModel(config).to(dtype).save_pretrained(path)
+    return path
+
+
 def hf_greedy(
     model_dir: str,
     prompts: list[list[int]],

@@ -23,20 +23,23 @@ Forward = Callable[..., Any]
 
 @dataclass(frozen=True)
 class Forwards:
-    """What the runner runs, compiled or eager.
+    """What the runner runs, compiled or eager; all take `(input_ids, positions,
+    logits_indices, attn_metadata, kv_caches)`.
 
-    `step(input_ids, positions, logits_indices, attn_metadata, kv_caches)`: logits
-    [num_seqs, vocab] at `logits_indices` for an LM; hidden states [num_tokens, hidden] for an
-    embedding model. `hidden`: the same arguments, hidden states [num_tokens, hidden] for
-    pooling (an embedding model's `step`; a causal LM's base model, eager, since its graphs
-    produce logits). `encoder(input_ids, positions, attn_metadata, kv_caches)`: the encoder
-    pass of an encoder-decoder model, else None.
+    `step`: logits [num_seqs, vocab] at `logits_indices` for an LM; hidden states
+    [num_tokens, hidden] for an embedding model. `hidden`: hidden states [num_tokens, hidden]
+    for pooling (an embedding model's `step`; a causal LM's base model, eager, since its graphs
+    produce logits). `encoder`: the encoder pass of an encoder-decoder model, else None.
     """
 
     step: Forward
     hidden: Forward
     encoder: Forward | None = None
     compiled: bool = False
+
+    def is_compiled(self, forward: Forward) -> bool:
+        """Whether `forward` (one of these) runs compiled graphs: all but an eager `hidden`."""
+        return self.compiled and (forward is not self.hidden or self.hidden is self.step)
 
 
 def build_forwards(loaded: LoadedModel, kv_caches: list[torch.Tensor], compile: bool) -> Forwards:
@@ -83,8 +86,8 @@ def mark_dynamic(
 
 
 def capture_encoder_forward(model: PreTrainedModel) -> Callable[..., Any]:
-    """The encoder pass of an encoder-decoder model: `(input_ids, positions, attn_metadata,
-    kv_caches)` -> encoder output [num_tokens, d].
+    """The encoder pass of an encoder-decoder model: `(input_ids, positions, logits_indices,
+    attn_metadata, kv_caches)` -> encoder output [num_tokens, d] (`logits_indices` unused).
 
     Runs the encoder over every request's input (bidirectional, its scratch K/V in the request's
     cross blocks), then writes each decoder layer's cross-attention K/V of that output into the
@@ -95,6 +98,7 @@ def capture_encoder_forward(model: PreTrainedModel) -> Callable[..., Any]:
     def forward(
         input_ids: torch.Tensor,
         positions: torch.Tensor,
+        logits_indices: torch.Tensor,
         attn_metadata: Any,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:

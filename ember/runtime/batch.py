@@ -116,7 +116,7 @@ class ForwardBatch:
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
-    lora_slots: torch.Tensor | None = field(default=None)
+    lora_slots: torch.Tensor | None = None
 
 
 def build_forward_batch(
@@ -162,7 +162,7 @@ def build_forward_batch(
     if lora_slot_of is not None:
         lora_slots = torch.tensor(
             [
-                lora_slot_of.get(r.lora_id, -1) if r.lora_id is not None else -1
+                -1 if r.lora_id is None else lora_slot_of.get(r.lora_id, -1)
                 for r in reqs
                 for _ in range(r.num_new_tokens)
             ],

@@ -48,7 +48,10 @@ class _ParentState:
     prompt_token_ids: list[int]
     params: SamplingParams
     children: list[Request]
-    sent: list[tuple[int, int]] = field(default_factory=list)
+    sent: list[tuple[int, int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sent = [(0, 0)] * len(self.children)
 
 
 def _child_id(request_id: str, index: int, n: int) -> str:
@@ -246,7 +249,6 @@ class LLMEngine:
         for child in parent.children:
             self.scheduler.add_request(child)
             self._child_to_parent[child.request_id] = parent.request_id
-        parent.sent = [(0, 0)] * len(parent.children)
         self._parents[parent.request_id] = parent
 
     def abort_request(self, request_id: str) -> None:

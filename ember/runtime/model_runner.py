@@ -116,12 +116,12 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Build the plan's batch, padded to its bucket when `forward` is compiled, and run it.
         `cross`: pass each request's cross-attention context (decoder steps)."""
-        compiled = self.forwards.compiled and forward is not self._eager_hidden
+        compiled = self.forwards.is_compiled(forward)
         num_tokens = plan.num_tokens
         padded = padded_num_tokens(num_tokens, self.buckets) if compiled else num_tokens
         slot_of = None
         if self.lora is not None:
-            ids = {r.lora_id for r in plan.requests if r.lora_id is not None and not r.pool}
+            ids = {r.lora_id for r in plan.requests if r.lora_id is not None}
             slot_of = self.lora.activate(ids)
         batch = build_forward_batch(
             plan,
@@ -133,11 +133,6 @@ class ModelRunner:
             slot_of,
         )
         return self._run(batch, forward, compiled)
-
-    @property
-    def _eager_hidden(self) -> Forward | None:
-        """The hidden-state forward when it is not compiled (a causal LM's base model)."""
-        return None if self.config.task == "embed" else self.forwards.hidden
 
     def _run(self, batch: ForwardBatch, forward: Forward, compiled: bool) -> torch.Tensor:
         if self.lora is not None:
@@ -153,8 +148,6 @@ class ModelRunner:
             )
         # A profiler range (`ember bench` splits a step into graph and host time with it).
         with torch.profiler.record_function("ember::forward"):
-            if forward is self.forwards.encoder:
-                return forward(batch.input_ids, batch.positions, meta, self.kv_caches)
             return forward(
                 batch.input_ids, batch.positions, batch.logits_indices, meta, self.kv_caches
             )

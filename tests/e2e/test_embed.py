@@ -10,11 +10,11 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
+from transformers import AutoModel, AutoTokenizer
 
 from ember import LLM, SamplingParams
 from ember.runtime.pooling import PoolingConfig, load_pooling_config, pool
-from tests.conftest import make_prompts
+from tests.conftest import build_tiny_bert, make_prompts
 
 SENTENCES = [
     "A man is eating food.",
@@ -36,19 +36,7 @@ def _hf_mean_pooled(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> t
 
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory) -> str:
-    d = str(tmp_path_factory.mktemp("tiny-bert"))
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=300,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        architectures=["BertModel"],
-    )
-    BertModel(config).save_pretrained(d)
-    return d
+    return build_tiny_bert(str(tmp_path_factory.mktemp("tiny-bert")))
 
 
 def test_tiny_bert_mixed_lengths_match_hf(tiny_bert):

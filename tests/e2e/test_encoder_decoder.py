@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from transformers import BartConfig, BartForConditionalGeneration
+from transformers import BartForConditionalGeneration
 
 from ember import LLM, SamplingParams
-from tests.conftest import gib_for_blocks
+from tests.conftest import build_tiny_bart, gib_for_blocks
 
 MAX_NEW = 10
 VOCAB = 200
@@ -18,27 +18,7 @@ VOCAB = 200
 
 @pytest.fixture(scope="module")
 def tiny_bart(tmp_path_factory) -> str:
-    """A seeded random BART; untied output embeddings, so greedy outputs vary with the input
-    (with tied ones a random BART repeats its input token)."""
-    d = str(tmp_path_factory.mktemp("tiny-bart"))
-    torch.manual_seed(0)
-    config = BartConfig(
-        vocab_size=VOCAB,
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
-        max_position_embeddings=128,
-        init_std=0.1,
-        tie_word_embeddings=False,
-        forced_bos_token_id=None,
-        forced_eos_token_id=None,
-    )
-    BartForConditionalGeneration(config).save_pretrained(d)
-    return d
+    return build_tiny_bart(str(tmp_path_factory.mktemp("tiny-bart")), VOCAB)
 
 
 def _cases(num: int, seed: int) -> list[tuple[list[int], list[int]]]:

@@ -13,7 +13,7 @@ import torch
 
 from ember import LLM
 from ember.host import cpu_has_native_bf16
-from tests.conftest import hf_greedy, make_prompts
+from tests.conftest import build_tiny_bart, build_tiny_bert, hf_greedy, make_prompts
 
 
 def _linear_weight_dtypes(llm: LLM) -> set[torch.dtype]:
@@ -88,44 +88,19 @@ def test_encoder_decoder_and_encoder_with_bf16_weights_fp32_math(tmp_path):
     """BART (learned positions, a bias on the logits) and BERT (position and token-type
     embeddings, LayerNorms) stored in bf16: the non-linear parameters are widened, the linears
     read bf16, and the results equal HF's in fp32 on the same weights."""
-    from transformers import BartConfig, BartForConditionalGeneration, BertConfig, BertModel
+    from transformers import BartForConditionalGeneration, BertModel
 
-    torch.manual_seed(0)
-    bart_config = BartConfig(
-        vocab_size=300,
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
-        max_position_embeddings=128,
-        init_std=0.1,
-        tie_word_embeddings=False,
-        forced_bos_token_id=None,
-        forced_eos_token_id=None,
-    )
-    BartForConditionalGeneration(bart_config).to(torch.bfloat16).save_pretrained(tmp_path / "b")
-    bert_config = BertConfig(
-        vocab_size=300,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        architectures=["BertModel"],
-    )
-    BertModel(bert_config).to(torch.bfloat16).save_pretrained(tmp_path / "e")
+    bart = build_tiny_bart(str(tmp_path / "b"), 200, torch.bfloat16)
+    bert = build_tiny_bert(str(tmp_path / "e"), torch.bfloat16)
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD_ENCODERS, str(tmp_path / "b"), str(tmp_path / "e")],
+        [sys.executable, "-c", _CHILD_ENCODERS, bart, bert],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    hf = BartForConditionalGeneration.from_pretrained(tmp_path / "b", dtype=torch.float32)
+    hf = BartForConditionalGeneration.from_pretrained(bart, dtype=torch.float32)
     start = hf.config.decoder_start_token_id
     with torch.no_grad():
         ids = hf.eval().generate(
@@ -141,7 +116,7 @@ def test_encoder_decoder_and_encoder_with_bf16_weights_fp32_math(tmp_path):
             eos_token_id=None,
         )
         assert got["bart"] == ids[0, 1:].tolist()
-        bert = BertModel.from_pretrained(tmp_path / "e", dtype=torch.float32).eval()
+        bert = BertModel.from_pretrained(bert, dtype=torch.float32).eval()
         hidden = bert(input_ids=torch.tensor([[2, 5, 6, 7, 8, 3]])).last_hidden_state[0]
     ref = torch.nn.functional.normalize(hidden.mean(0), dim=-1)
     torch.testing.assert_close(torch.tensor(got["bert"]), ref, atol=1e-5, rtol=1e-5)
