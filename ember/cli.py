@@ -8,7 +8,6 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -25,10 +24,6 @@ def _add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
     EngineArgs.add_cli_args(p, skip)
 
 
-def _engine_args(args: argparse.Namespace, model: str, **overrides: Any) -> EngineArgs:
-    return EngineArgs.from_cli_args(args, model=model, **overrides)
-
-
 def _resolve_model(model: str | None) -> str:
     if model:
         return model
@@ -39,7 +34,7 @@ def _resolve_model(model: str | None) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    engine_args = _engine_args(args, _resolve_model(args.model))
+    engine_args = EngineArgs.from_cli_args(args, model=_resolve_model(args.model))
     llm = LLM(**dataclasses.asdict(engine_args))
     load_s = time.perf_counter() - t0
     params = SamplingParams(
@@ -74,7 +69,9 @@ def cmd_embed(args: argparse.Namespace) -> int:
         print("ember embed: give --model DIR and at least one TEXT", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    llm = LLM(use_tqdm=False, **dataclasses.asdict(_engine_args(args, args.model)))
+    llm = LLM(
+        use_tqdm=False, **dataclasses.asdict(EngineArgs.from_cli_args(args, model=args.model))
+    )
     load_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     outs = llm.embed(args.text, use_tqdm=False)
@@ -102,8 +99,8 @@ def default_compile_cache_dir() -> str:
 
 def cmd_warmup(args: argparse.Namespace) -> int:
     cache_dir = args.cache_dir or default_compile_cache_dir()
-    engine_args = _engine_args(
-        args, _resolve_model(args.model), compile=True, compile_cache_dir=cache_dir
+    engine_args = EngineArgs.from_cli_args(
+        args, model=_resolve_model(args.model), compile=True, compile_cache_dir=cache_dir
     )
     t0 = time.perf_counter()
     llm = LLM(**dataclasses.asdict(engine_args))
@@ -128,13 +125,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.cpu_isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
         env = dict(os.environ, **AVX2_ENV)
         os.execve(sys.executable, [sys.executable, "-m", "ember.cli", *sys.argv[1:]], env)
-    checkpoint_dtype = args.checkpoint_dtype or (
-        "float32" if args.dtype in ("float32", "int8") else "bfloat16"
-    )
-    model_dir = args.model or bench.bench_checkpoint(args.shape, checkpoint_dtype)
+    model_dir = args.model or bench.bench_checkpoint(args.shape, args.dtype, args.checkpoint_dtype)
     workload = bench.WORKLOADS[args.workload]
     cache_dir = None if args.no_cache else default_compile_cache_dir()
-    engine_args = _engine_args(args, model_dir, compile_cache_dir=cache_dir)
+    engine_args = EngineArgs.from_cli_args(args, model=model_dir, compile_cache_dir=cache_dir)
     t0 = time.perf_counter()
     llm = LLM(use_tqdm=False, **dataclasses.asdict(engine_args))
     startup = time.perf_counter() - t0
@@ -163,10 +157,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warm_start=warm,
     )
     cfg = llm.config
-    checkpoint = args.model or f"{args.shape} {checkpoint_dtype}"
     print(
         f"{host.cpu_description()}; ember kernels: cpu_isa={cfg.cpu_isa}, ATen: "
-        f"{torch.backends.cpu.get_cpu_capability()}; checkpoint {checkpoint}, "
+        f"{torch.backends.cpu.get_cpu_capability()}; checkpoint {model_dir}, "
         f"weights {cfg.quantization or str(cfg.weight_dtype).removeprefix('torch.')}, "
         f"math/KV {str(dtype).removeprefix('torch.')}"
     )

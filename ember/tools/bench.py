@@ -51,11 +51,14 @@ class Result:
     startup_s: float | None = None
 
 
-def bench_checkpoint(shape: str, dtype: str = "float32") -> str:
-    """The random-init checkpoint of `shape` the benchmarks run with engine dtype `dtype`:
-    stored in bf16 for "bfloat16", else in fp32 (an int8 engine quantises the fp32 one); built
-    once under the user cache dir."""
-    name = "bfloat16" if dtype == "bfloat16" else "float32"
+def bench_checkpoint(
+    shape: str, dtype: str = "float32", checkpoint_dtype: str | None = None
+) -> str:
+    """The random-init checkpoint of `shape` the benchmarks run with engine dtype `dtype`,
+    stored in `checkpoint_dtype` (default: fp32 for "float32" and "int8" engines, which
+    quantise the fp32 one; else bf16, as most checkpoints are); built once under the user cache
+    dir."""
+    name = checkpoint_dtype or ("float32" if dtype in ("float32", "int8") else "bfloat16")
     return build_checkpoint(
         user_cache_dir("models", f"{shape}-{name}"),
         shape,
