@@ -9,6 +9,7 @@ torch.compile: no `.item()`, no branching on tensor values, no config or global 
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,8 +67,26 @@ def compile_forward(forward: Forward) -> Forward:
     Dynamo makes one graph per static token bucket and one with a dynamic token count (see
     `ember.runtime.buckets`). Compilation happens on the first call of each; the runner warms
     them all inside `ember.compiler.inductor.compile_settings()` before serving.
+
+    Guards on the model's modules and parameters are skipped: ember never reassigns a module
+    attribute or parameter after capture (weights, KV caches and LoRA slots change in place).
+    Measured with two llama-160m engines stepping alternately in one process, batch-1 decode
+    6.12 vs 6.39 and 6.04 vs 6.33 ms per step. Dynamo caches graphs per code object, so each
+    capture compiles its own copy of the closure's code: two engines in one process never
+    share graphs whose guards no longer tell their models apart.
     """
-    return torch.compile(forward, fullgraph=True)
+    fresh = types.FunctionType(
+        forward.__code__.replace(),
+        forward.__globals__,
+        forward.__name__,
+        forward.__defaults__,
+        forward.__closure__,
+    )
+    return torch.compile(
+        fresh,
+        fullgraph=True,
+        options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+    )
 
 
 def mark_dynamic(

@@ -71,6 +71,24 @@ def test_compiled_graph_count_no_breaks_and_matches_hf(checkpoint_dir, family):
     assert got == hf_greedy(d, prompts, 10)
 
 
+def test_two_engines_of_one_shape_each_run_their_own_weights(checkpoint_dir):
+    """Compiled graphs skip guards on the model's parameters (`compile_forward`): two live
+    engines over same-shaped models with different weights, stepped in turn, must each match
+    HF on their own weights, with no recompiles."""
+    dirs = [checkpoint_dir("tiny-llama", seed=seed) for seed in (21, 22)]
+    kwargs = dict(dtype="float32", kv_cache_gib=0.01, max_num_batched_tokens=16, use_tqdm=False)
+    llms = [LLM(model=d, max_model_len=64, **kwargs) for d in dirs]
+    prompts = make_prompts(3, seed=12, low=2, high=12)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = [hf_greedy(d, prompts, 6) for d in dirs]
+    assert want[0] != want[1]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for _ in range(2):
+            for llm, expected in zip(llms, want, strict=True):
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+                assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 def test_compiled_long_random_workload_never_recompiles_and_matches_eager(checkpoint_dir):
     """200+ steps of random arrivals, lengths, shared prefixes and aborts after warm-up."""
     d = checkpoint_dir("tiny-llama")
