@@ -1,8 +1,10 @@
 """Compile-cache directory: layout, key and lookup. Used by `ember warmup` and the engine.
 
-Layout: `<cache_dir>/<key>/inductor/` is the inductor cache of that engine shape (FX graphs,
-AOTAutograd entries and the compiled C++ kernels), and `<cache_dir>/<key>/key.json` holds the
-readable parts of the key, written once every bucket compiled. The key covers everything the
+Layout: `<cache_dir>/<key>/graphs/<forward>-<graph>.bin` is one compiled graph of that engine
+shape (`CompiledForward`: Dynamo's bytecode and the inductor graph, loaded without tracing),
+`<cache_dir>/<key>/inductor/` the inductor cache the graphs were built in (their compiled C++
+kernels), and `<cache_dir>/<key>/key.json` holds the readable parts of the key, written once
+every graph is saved. The key covers everything the
 graphs depend on: model config, dtype, weight quantization, token-bucket ladder, block size,
 inductor settings, torch version, CPU ISA and ember's version. KV-cache size and max_model_len
 are dynamic graph dims, so they are not part of the key.
@@ -63,6 +65,7 @@ def key_parts(
         "cpu_isa": torch.backends.cpu.get_cpu_capability(),
         "kernels_isa": loaded.cpu_isa,
         "ember": __version__,
+        "graphs": "aot_compile",
     }
 
 
@@ -73,6 +76,10 @@ def entry_dir(cache_dir: str, parts: dict[str, Any]) -> str:
 
 def inductor_dir(cache_dir: str, parts: dict[str, Any]) -> str:
     return os.path.join(entry_dir(cache_dir, parts), "inductor")
+
+
+def graph_file(cache_dir: str, parts: dict[str, Any], name: str) -> str:
+    return os.path.join(entry_dir(cache_dir, parts), "graphs", f"{name}.bin")
 
 
 def lookup(cache_dir: str, parts: dict[str, Any]) -> bool:

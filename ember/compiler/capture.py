@@ -9,6 +9,7 @@ torch.compile: no `.item()`, no branching on tensor values, no config or global 
 from __future__ import annotations
 
 import inspect
+import os
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,21 +32,29 @@ class Forwards:
     [num_tokens, hidden] for an embedding model. `hidden`: hidden states [num_tokens, hidden]
     for pooling (an embedding model's `step`; a causal LM's base model, eager, since its graphs
     produce logits). `encoder`: the encoder pass of an encoder-decoder model, else None.
+    Compiled forwards are `CompiledForward`s.
     """
 
     step: Forward
     hidden: Forward
     encoder: Forward | None = None
-    compiled: bool = False
 
-    def is_compiled(self, forward: Forward) -> bool:
-        """Whether `forward` (one of these) runs compiled graphs: all but an eager `hidden`."""
-        return self.compiled and (forward is not self.hidden or self.hidden is self.step)
+    def compiled(self) -> list[tuple[str, CompiledForward]]:
+        """The compiled forwards by name (the name keys their graphs in the compile cache)."""
+        named = [("step", self.step), ("encoder", self.encoder)]
+        return [(name, f) for name, f in named if isinstance(f, CompiledForward)]
 
 
-def build_forwards(loaded: LoadedModel, kv_caches: list[torch.Tensor], compile: bool) -> Forwards:
-    """Capture `loaded`'s forwards; with `compile`, through the one `torch.compile` call. The
-    KV caches' block count is a dynamic dim, so graphs do not depend on the cache size."""
+def build_forwards(
+    loaded: LoadedModel,
+    kv_caches: list[torch.Tensor],
+    compile: bool,
+    buckets: tuple[int, ...],
+    freezing: bool = False,
+) -> Forwards:
+    """Capture `loaded`'s forwards; with `compile`, as `CompiledForward`s over the static token
+    `buckets` (plus one dynamic-token graph). The KV caches' block count is a dynamic dim, so
+    graphs do not depend on the cache size."""
     model, task = loaded.model, loaded.spec.task
     if task == "embed":
         step = capture_hidden_forward(model, task)
@@ -55,53 +64,119 @@ def build_forwards(loaded: LoadedModel, kv_caches: list[torch.Tensor], compile: 
     if compile:
         for kv in kv_caches:
             torch._dynamo.mark_dynamic(kv, 1)
-        step = compile_forward(step)
-        encoder = compile_forward(encoder) if encoder is not None else None
+        step = CompiledForward(step, buckets, freezing)
+        encoder = CompiledForward(encoder, buckets, freezing) if encoder is not None else None
     hidden = step if task == "embed" else capture_hidden_forward(model, task)
-    return Forwards(step, hidden, encoder, compile)
+    return Forwards(step, hidden, encoder)
 
 
-def compile_forward(forward: Forward) -> Forward:
-    """The one `torch.compile` call site; no graph breaks allowed.
+def _no_guards(entries: list[Any]) -> list[bool]:
+    return [False] * len(entries)
 
-    Dynamo makes one graph per static token bucket and one with a dynamic token count (see
-    `ember.runtime.buckets`). Compilation happens on the first call of each; the runner warms
-    them all inside `ember.compiler.inductor.compile_settings()` before serving.
 
-    Guards on the model's modules and parameters are skipped: ember never reassigns a module
-    attribute or parameter after capture (weights, KV caches and LoRA slots change in place).
-    Measured with two llama-160m engines stepping alternately in one process, batch-1 decode
-    6.12 vs 6.39 and 6.04 vs 6.33 ms per step. Dynamo caches graphs per code object, so each
-    capture compiles its own copy of the closure's code: two engines in one process never
-    share graphs whose guards no longer tell their models apart.
+class CompiledForward:
+    """One forward's compiled graphs: one per static token bucket and one whose token count is
+    dynamic (see `ember.runtime.buckets`), each compiled ahead of time by the one `torch.compile`
+    call site (`aot_compile`, fullgraph: no graph breaks allowed) and called directly.
+
+    The runner pads every step to the graph it runs, so no Dynamo guard decides which graph
+    serves a call: graphs are compiled with no guards and called without a guard check or a
+    Dynamo cache lookup (measured on llama-160m batch-1 decode, bf16: 6.35 vs 6.60 ms per
+    forward in one process against `torch.compile`'s own dispatch). Inputs keep their marked
+    dynamic dims (`num_seqs`, the block-table width, the cache's block count, and the token
+    count of the dynamic graph), so Dynamo fails the compile rather than specialise one.
+    A compiled graph is saved to and loaded from the compile cache as one file (Dynamo's
+    bytecode and the inductor graph together), so a warm start traces nothing. The objects the
+    forward closes over (the model) are external data: the loaded graph reads the live
+    engine's weights, KV caches and LoRA slots.
     """
-    fresh = types.FunctionType(
-        forward.__code__.replace(),
-        forward.__globals__,
-        forward.__name__,
-        forward.__defaults__,
-        forward.__closure__,
-    )
-    return torch.compile(
-        fresh,
-        fullgraph=True,
-        options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
-    )
+
+    def __init__(self, forward: Forward, buckets: tuple[int, ...], freezing: bool = False) -> None:
+        self.forward = forward
+        self.buckets = buckets
+        self.freezing = freezing
+        self.graphs: dict[str, Any] = {}
+        self.num_compiled = 0  # graphs compiled in this process (cache misses, late shapes)
+        self.num_loaded = 0  # graphs loaded from the compile cache
+        self._dynamo: Forward | None = None
+
+    def key(self, num_tokens: int) -> str:
+        """The graph serving a step of `num_tokens` (already padded to its bucket)."""
+        return f"tokens{num_tokens}" if num_tokens <= self.buckets[-1] else "dynamic"
+
+    def __call__(self, *args: Any) -> Any:
+        graph = self.graphs.get(self.key(args[0].shape[0]))
+        if graph is None:
+            graph = self.prepare(args)
+        return graph(*args)
+
+    def _external(self) -> dict[str, Any]:
+        cells = self.forward.__closure__ or ()
+        return {f"cell{i}": cell.cell_contents for i, cell in enumerate(cells)}
+
+    def prepare(self, args: tuple[Any, ...], cache_file: str | None = None) -> Any:
+        """The graph for `args` (a step padded to its bucket): loaded from `cache_file` when it
+        exists, else compiled for these example inputs (and saved there)."""
+        key = self.key(args[0].shape[0])
+        if self.freezing:
+            return self._prepare_frozen(key, args)
+        external = self._external()
+        if cache_file is not None and os.path.isfile(cache_file):
+            with open(cache_file, "rb") as f:
+                graph = torch.compiler.load_compiled_function(f, external_data=external)
+            self.num_loaded += 1
+        else:
+            _mark_step_dynamic(args, dynamic_tokens=key == "dynamic")
+            compiler = torch.compile(
+                self.forward, fullgraph=True, options={"guard_filter_fn": _no_guards}
+            )
+            graph = compiler.aot_compile((args, {}))
+            self.num_compiled += 1
+            if cache_file is not None:
+                os.makedirs(os.path.dirname(cache_file), exist_ok=True)
+                graph.save_compiled_function(cache_file, external_data=external)
+        graph.disable_guard_check()
+        self.graphs[key] = graph
+        return graph
+
+    def _prepare_frozen(self, key: str, args: tuple[Any, ...]) -> Any:
+        """Frozen graphs (weights folded and prepacked as constants) do not go through
+        `aot_compile` in torch 2.13 (its serializable wrapper rejects them): they are compiled
+        and dispatched by `torch.compile` itself, guards on the inputs included, never cached.
+        Each capture gets its own code object, so two engines in one process never share
+        graphs (Dynamo caches graphs per code object)."""
+        if self._dynamo is None:
+            fresh = types.FunctionType(
+                self.forward.__code__.replace(),
+                self.forward.__globals__,
+                self.forward.__name__,
+                self.forward.__defaults__,
+                self.forward.__closure__,
+            )
+            self._dynamo = torch.compile(fresh, fullgraph=True)
+        _mark_step_dynamic(args, dynamic_tokens=key == "dynamic")
+        self._dynamo(*args)
+        self.num_compiled += 1
+        self.graphs[key] = self._dynamo
+        return self._dynamo
 
 
-def mark_dynamic(
-    per_seq: list[torch.Tensor], tables: list[torch.Tensor], per_token: list[torch.Tensor]
-) -> None:
-    """Mark a step's graph inputs dynamic before a compiled call: `per_seq` tensors in dim 0
-    (num_seqs), `tables` in both dims (num_seqs, block-table width), `per_token` in dim 0
-    (num_tokens: pass them only past the static bucket ladder)."""
+def _mark_step_dynamic(args: tuple[Any, ...], dynamic_tokens: bool) -> None:
+    """Mark a step's inputs dynamic before compiling: per-sequence tensors in dim 0
+    (num_seqs), block tables in both dims (num_seqs, width), per-token tensors in dim 0 when
+    the graph's token count is dynamic."""
+    input_ids, positions, logits_indices, meta, _ = args
+    per_seq = [meta.query_start_loc, meta.seq_lens, logits_indices, meta.cross_seq_lens]
     for t in per_seq:
-        torch._dynamo.mark_dynamic(t, 0)
-    for t in tables:
-        torch._dynamo.mark_dynamic(t, 0)
-        torch._dynamo.mark_dynamic(t, 1)
-    for t in per_token:
-        torch._dynamo.mark_dynamic(t, 0)
+        if t is not None:
+            torch._dynamo.mark_dynamic(t, 0)
+    for t in (meta.block_tables, meta.cross_block_tables):
+        if t is not None:
+            torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(t, 1)
+    if dynamic_tokens:
+        for t in (input_ids, positions, meta.slot_mapping):
+            torch._dynamo.mark_dynamic(t, 0)
 
 
 def capture_encoder_forward(model: PreTrainedModel) -> Callable[..., Any]:

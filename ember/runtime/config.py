@@ -111,6 +111,8 @@ class EngineArgs:
         dtype, quantization = self.dtype, self.quantization
         if dtype == "int8":
             dtype, quantization = "float32", "int8"
+        if quantization == "int8" and dtype == "auto":
+            dtype = "float32"  # int8 weights compute in fp32 on every CPU
         max_positions = spec.max_positions
         if spec.task == "embed":
             # sentence-transformers' own input limit, when it ships one (all-MiniLM-L6-v2: 256).

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from ember.attention import get_backend
 from ember.compiler import cache
-from ember.compiler.capture import Forward, build_forwards, mark_dynamic
+from ember.compiler.capture import CompiledForward, Forward, build_forwards
 from ember.compiler.inductor import compile_settings
 from ember.compiler.loader import LoadedModel
 from ember.lora.manager import LoRAManager
@@ -26,7 +26,7 @@ from ember.runtime.batch import (
     encoder_plan,
     warmup_plan,
 )
-from ember.runtime.buckets import graph_sizes, is_static, padded_num_seqs, padded_num_tokens
+from ember.runtime.buckets import graph_sizes, padded_num_seqs, padded_num_tokens
 from ember.runtime.config import EngineConfig
 from ember.runtime.pooling import PoolingConfig, pool
 from ember.runtime.sampler import sample
@@ -59,7 +59,9 @@ class ModelRunner:
             for heads, head_dim in loaded.kv_layer_shapes
         ]
         self.buckets = config.token_buckets
-        self.forwards = build_forwards(loaded, self.kv_caches, config.compile)
+        self.forwards = build_forwards(
+            loaded, self.kv_caches, config.compile, self.buckets, config.freeze_weights
+        )
         # An encoder-decoder step carries each request's cross context.
         self.max_cross_blocks = 0
         if config.task == "encdec":
@@ -70,6 +72,17 @@ class ModelRunner:
     def graph_sizes(self) -> tuple[int, ...]:
         """One example token count per compiled graph (static buckets, then the dynamic one)."""
         return graph_sizes(self.buckets, self.config.max_num_batched_tokens)
+
+    @property
+    def graphs_compiled(self) -> int:
+        """Graphs compiled in this process (at warm-up on a cache miss; any later one is a
+        shape the warm-up missed)."""
+        return sum(f.num_compiled for _, f in self.forwards.compiled())
+
+    @property
+    def graphs_loaded(self) -> int:
+        """Graphs loaded from the compile cache."""
+        return sum(f.num_loaded for _, f in self.forwards.compiled())
 
     def close(self) -> None:
         """Release the KV cache, the forwards (and their compiled graphs) and the model."""
@@ -114,56 +127,60 @@ class ModelRunner:
     def _forward(
         self, plan: StepPlan, forward: Forward, max_blocks: int, cross: bool = True
     ) -> torch.Tensor:
-        """Build the plan's batch, padded to its bucket when `forward` is compiled, and run it.
+        """Build the plan's batch (padded to its bucket when `forward` is compiled) and run it.
         `cross`: pass each request's cross-attention context (decoder steps)."""
-        compiled = self.forwards.is_compiled(forward)
+        return self._run(self._batch(plan, forward, max_blocks, cross), forward)
+
+    def _batch(
+        self, plan: StepPlan, forward: Forward, max_blocks: int, cross: bool = True
+    ) -> ForwardBatch:
         num_tokens = plan.num_tokens
-        padded = padded_num_tokens(num_tokens, self.buckets) if compiled else num_tokens
+        if isinstance(forward, CompiledForward):
+            num_tokens = padded_num_tokens(num_tokens, self.buckets)
         slot_of = None
         if self.lora is not None:
             ids = {r.lora_id for r in plan.requests if r.lora_id is not None}
             slot_of = self.lora.activate(ids)
-        batch = build_forward_batch(
+        return build_forward_batch(
             plan,
             self.config.block_size,
             max_blocks,
-            padded,
+            num_tokens,
             padded_num_seqs(plan.num_seqs),
             self.max_cross_blocks if cross else 0,
             slot_of,
         )
-        return self._run(batch, forward, compiled)
 
-    def _run(self, batch: ForwardBatch, forward: Forward, compiled: bool) -> torch.Tensor:
+    def _run(self, batch: ForwardBatch, forward: Forward) -> torch.Tensor:
         if self.lora is not None:
             self.lora.set_token_slots(batch.lora_slots)
-        meta = batch.attn_metadata
-        if compiled:
-            dynamic_tokens = not is_static(batch.input_ids.shape[0], self.buckets)
-            mark_dynamic(
-                [meta.query_start_loc, meta.seq_lens, batch.logits_indices]
-                + ([meta.cross_seq_lens] if meta.cross_seq_lens is not None else []),
-                [t for t in (meta.block_tables, meta.cross_block_tables) if t is not None],
-                [batch.input_ids, batch.positions, meta.slot_mapping] if dynamic_tokens else [],
-            )
         # A profiler range (`ember bench` splits a step into graph and host time with it).
         with torch.profiler.record_function("ember::forward"):
-            return forward(
-                batch.input_ids, batch.positions, batch.logits_indices, meta, self.kv_caches
-            )
+            return forward(*self._args(batch))
+
+    def _args(self, batch: ForwardBatch) -> tuple[torch.Tensor | object, ...]:
+        return (
+            batch.input_ids,
+            batch.positions,
+            batch.logits_indices,
+            batch.attn_metadata,
+            self.kv_caches,
+        )
 
     # ---- warm-up -----------------------------------------------------------------------------
     @torch.inference_mode()
     def warmup(self, show_progress: bool = True) -> bool:
-        """Compile every token bucket now, so no request ever waits on a compile.
+        """Compile (or load) every graph now, so no request ever waits on a compile.
 
-        With `compile_cache_dir`, matching artefacts are loaded first (nothing is compiled
-        then), and fresh ones are saved after compiling. Dummy steps run entirely in the null
-        block, which real requests never read. Returns True on a cache hit.
+        With `compile_cache_dir`, saved graphs are loaded (nothing is traced or compiled then),
+        and fresh ones are saved after compiling. Each graph then runs one dummy step, entirely
+        in the null block, which real requests never read. Returns True on a cache hit.
         """
-        if not self.config.compile:
+        compiled = self.forwards.compiled()
+        if not compiled:
             return False
-        cache_dir = self.config.compile_cache_dir
+        # Frozen graphs hold the weights as constants (prepacked): they are not cached.
+        cache_dir = None if self.config.freeze_weights else self.config.compile_cache_dir
         parts = cache.key_parts(
             self.loaded,
             self.buckets,
@@ -177,18 +194,25 @@ class ModelRunner:
         with compile_settings(self.config.freeze_weights, inductor_dir):
             for num_tokens in tqdm(
                 self.graph_sizes,
-                desc="Compiling graphs",
+                desc="Loading graphs" if hit else "Compiling graphs",
                 unit="graph",
                 disable=not show_progress,
                 dynamic_ncols=True,
             ):
-                chunk = self.config.max_blocks_per_seq * bs
-                plan = warmup_plan(num_tokens, chunk, bs, cross=self.max_cross_blocks > 0)
-                self._forward(plan, self.forwards.step, self.config.max_blocks_per_seq)
-                if self.forwards.encoder is not None:
-                    # Encoder inputs within the encoder's positions, as their own requests.
-                    enc = warmup_plan(num_tokens, self.loaded.spec.max_positions, bs)
-                    self._forward(enc, self.forwards.encoder, self.max_cross_blocks, cross=False)
+                for name, forward in compiled:
+                    if name == "encoder":  # encoder inputs within the encoder's positions
+                        plan = warmup_plan(num_tokens, self.loaded.spec.max_positions, bs)
+                        batch = self._batch(plan, forward, self.max_cross_blocks, cross=False)
+                    else:
+                        chunk = self.config.max_blocks_per_seq * bs
+                        plan = warmup_plan(num_tokens, chunk, bs, cross=self.max_cross_blocks > 0)
+                        batch = self._batch(plan, forward, self.config.max_blocks_per_seq)
+                    key = forward.key(batch.input_ids.shape[0])
+                    path = None
+                    if cache_dir is not None:
+                        path = cache.graph_file(cache_dir, parts, f"{name}-{key}")
+                    forward.prepare(self._args(batch), path)
+                    self._run(batch, forward)
         if cache_dir is not None and not hit:
             cache.mark_complete(cache_dir, parts)
         return hit

@@ -165,4 +165,5 @@ def test_bart_compiled_matches_hf_with_zero_recompiles_after_warmup(tiny_bart):
     breaks = sum(counters["graph_break"].values())
     assert _run_staggered(llm, cases) == want
     assert counters["stats"]["unique_graphs"] == graphs  # warm-up compiled every graph
+    assert llm.llm_engine.runner.graphs_compiled == 2 * len(llm.llm_engine.runner.graph_sizes)
     assert sum(counters["graph_break"].values()) == breaks

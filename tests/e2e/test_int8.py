@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ember import LLM, SamplingParams
+from ember import LLM, EngineArgs, SamplingParams
 from ember.compiler.quant import Int8Linear, quantize_int8_
 from ember.tools import bench
 from tests.conftest import make_prompts
@@ -112,3 +112,10 @@ def test_int8_greedy_within_fp32_top5(checkpoint_dir, compile):
 def test_int8_bad_config(checkpoint_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(model=checkpoint_dir("tiny-llama"), compile=False, kv_cache_gib=0.01, **kwargs)
+
+
+def test_int8_with_auto_dtype_computes_in_fp32_on_a_bf16_checkpoint(checkpoint_dir):
+    """`quantization="int8"` alone works on every CPU: "auto" resolves to fp32 math."""
+    d = checkpoint_dir("tiny-llama", dtype=torch.bfloat16)
+    config = EngineArgs(model=d, quantization="int8", kv_cache_gib=0.01).create_engine_config()
+    assert (config.dtype, config.quantization) == (torch.float32, "int8")

@@ -135,6 +135,7 @@ def test_adapter_swaps_never_recompile(setup):
     )
     assert [o.outputs[0].token_ids for o in outs] == want
     assert counters["stats"]["unique_graphs"] == graphs
+    assert llm.llm_engine.runner.graphs_compiled == len(llm.llm_engine.runner.graph_sizes)
     assert llm.llm_engine.lora.num_swaps >= 3
 
 
