@@ -148,6 +148,19 @@ def test_paged_attention_matches_reference(backend, case, heads, block_size, dty
         start += n
 
 
+@pytest.mark.parametrize("head_dim", [64, 72, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paged_attention_decodes_at_model_head_dims(backend, head_dim, block_size, dtype):
+    """Real head sizes (72: not a multiple of AVX-512's 16 lanes), contexts that end mid-block
+    and mid-vector, several blocks, GQA."""
+    specs = [(4, 1), (40, 1), (77, 1), (130, 1), (15, 1)]
+    out, refs, _ = _run_case(backend, specs, 8, 2, head_dim, block_size, dtype, seed=3)
+    torch.testing.assert_close(
+        out[: len(refs)].float(), torch.cat(refs), atol=TOL[dtype], rtol=TOL[dtype]
+    )
+
+
 @pytest.mark.parametrize("window", [1, 5, 13])
 def test_paged_attention_sliding_window(backend, window):
     out, refs, _ = _run_case(

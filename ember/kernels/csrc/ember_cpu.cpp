@@ -5,6 +5,7 @@
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <utility>
 #include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -13,6 +14,8 @@
 
 namespace {
 
+// Widest vector, in floats (scratch padding).
+constexpr int64_t kLanesMax = 16;
 // Steps of up to this many rows (decodes) run the fused GEMV.
 constexpr int64_t kGemvMaxRows = 8;
 // Weight rows widened per tile on the tiled path (an L2-sized fp32 buffer per thread).
@@ -62,6 +65,79 @@ inline float vsum(vfloat v) {
   return _mm_cvtss_f32(s);
 }
 #define EMBER_SIMD 1
+#endif
+
+#if defined(__AVX512F__)
+inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
+// exp(x) for x <= 0 (softmax weights): Cephes' degree-6 polynomial on x - n ln2, times 2^n.
+inline vfloat vexp(vfloat x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const vfloat n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vfloat r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  vfloat p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+// The kLanes horizontal sums of a[0..kLanes) as one vector (lane j = sum of a[j]), by a
+// transpose-and-add tree: 45 shuffles and adds for 16 sums instead of 16 full reductions.
+inline vfloat vsum_lanes(const vfloat* a) {
+  vfloat b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const vfloat y0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const vfloat y1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#elif defined(EMBER_SIMD)
+inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
+inline vfloat vexp(vfloat x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const vfloat n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vfloat r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  vfloat p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                       _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline vfloat vsum_lanes(const vfloat* a) {
+  vfloat b[4], c[2];
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 2; ++i) {
+    const __m256d x = _mm256_castps_pd(b[2 * i]), y = _mm256_castps_pd(b[2 * i + 1]);
+    c[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                         _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20),
+                       _mm256_permute2f128_ps(c[0], c[1], 0x31));
+}
 #endif
 
 inline float to_float(float v) { return v; }
@@ -304,10 +380,32 @@ inline void add_scaled_row(float* acc, float p, const C* v, int64_t D) {
   for (; d < D; ++d) acc[d] += p * to_float(v[d]);
 }
 
+#ifdef EMBER_SIMD
+// Scores of up to kLanes cache rows at once: lane j = q . k_j for j < L (k_j = k + j * stride),
+// 0 beyond; D a multiple of kLanes. One accumulator per row, summed by one transpose-and-add
+// tree rather than one horizontal reduction per row.
+template <typename C>
+inline vfloat row_scores(const float* q, const C* k, int64_t stride, int64_t D, int64_t L) {
+  vfloat acc[kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) {
+    acc[j] = vzero();
+    if (j < L) {
+      const C* kj = k + j * stride;
+      for (int64_t d = 0; d < D; d += kLanes) acc[j] = vfma(vload(q + d), vwiden(kj + d), acc[j]);
+    }
+  }
+  return vsum_lanes(acc);
+}
+#endif
+
 // Decode attention straight from the paged cache: one (sequence, K/V head) per task, an online
 // softmax over its context, read one cache block at a time in place (scores of the block first,
 // then one rescale per block, not per position); the query heads of the GQA group share each
 // K/V row. q, out: [T, H, D] float32; cache: [2, num_blocks, block_size, Hkv, D].
+// With SIMD and D a multiple of the vector width: kLanes scores per transpose-and-add tree, the
+// softmax weights by a vector exp, and the weighted sum of V rows accumulated in registers one
+// D-slice at a time (measured on 32 decodes x 200 tokens of context, llama-160m heads, AMD
+// EPYC: see the commit message).
 template <typename C>
 void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
                     const std::vector<int64_t>& seqs, const int64_t* qsl, const int64_t* lens,
@@ -317,8 +415,13 @@ void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
   const int64_t group = H / Hkv, n = static_cast<int64_t>(seqs.size()), stride = Hkv * D;
   const C* kp = cache.data_ptr<C>();
   const C* vp = kp + NB * BS * Hkv * D;
+#ifdef EMBER_SIMD
+  const bool simd = D % kLanes == 0;
+#else
+  const bool simd = false;
+#endif
   at::parallel_for(0, n * Hkv, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<float> acc(group * D), qs(group * D), m(group), l(group), s(BS);
+    std::vector<float> acc(group * D), qs(group * D), m(group), l(group), s(BS + kLanesMax);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t i = seqs[u / Hkv], h = u % Hkv, t = qsl[i], len = lens[i];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
@@ -334,20 +437,55 @@ void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
         const int64_t blk = tables[i * max_blocks + start / BS];
         const C* kb = kp + ((blk * BS + off) * Hkv + h) * D;
         const C* vb = vp + ((blk * BS + off) * Hkv + h) * D;
+        if (start + count < len) {  // this head's rows of the next block: strided, so the
+          // hardware prefetcher would not fetch them ahead (one row per Hkv * D elements)
+          const int64_t next = tables[i * max_blocks + (start + count) / BS];
+          const int64_t rows = std::min(BS, len - start - count);
+          for (int64_t j = 0; j < rows; ++j) {
+            const char* kr = reinterpret_cast<const char*>(kp + ((next * BS + j) * Hkv + h) * D);
+            const char* vr = reinterpret_cast<const char*>(vp + ((next * BS + j) * Hkv + h) * D);
+            for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(C)); b += 64) {
+              _mm_prefetch(kr + b, _MM_HINT_T0);
+              _mm_prefetch(vr + b, _MM_HINT_T0);
+            }
+          }
+        }
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qs.data() + g * D;
           float* ag = acc.data() + g * D;
           float mx = m[g];
-          for (int64_t j = 0; j < count; ++j) {
-            s[j] = dot_row(qg, kb + j * stride, D);
-            mx = std::max(mx, s[j]);
+#ifdef EMBER_SIMD
+          if (simd) {
+            for (int64_t j = 0; j < count; j += kLanes) {
+              vstore(s.data() + j,
+                     row_scores(qg, kb + j * stride, stride, D, std::min(kLanes, count - j)));
+            }
+          } else
+#endif
+          {
+            for (int64_t j = 0; j < count; ++j) s[j] = dot_row(qg, kb + j * stride, D);
           }
+          for (int64_t j = 0; j < count; ++j) mx = std::max(mx, s[j]);
           if (mx > m[g]) {  // a new maximum: rescale what is summed so far
             const float correction = std::exp(m[g] - mx);
             l[g] *= correction;
             for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
             m[g] = mx;
           }
+#ifdef EMBER_SIMD
+          if (simd) {
+            for (int64_t j = 0; j < count; j += kLanes) {
+              vstore(s.data() + j, vexp(vsub(vload(s.data() + j), vset1(mx))));
+            }
+            for (int64_t j = 0; j < count; ++j) l[g] += s[j];
+            for (int64_t d = 0; d < D; d += kLanes) {
+              vfloat a = vload(ag + d);
+              for (int64_t j = 0; j < count; ++j) a = vfma(vset1(s[j]), vwiden(vb + j * stride + d), a);
+              vstore(ag + d, a);
+            }
+            continue;
+          }
+#endif
           for (int64_t j = 0; j < count; ++j) {
             const float p = std::exp(s[j] - mx);
             l[g] += p;
@@ -365,6 +503,29 @@ void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
   });
 }
 
+// cache[0 / 1] rows at `slot_mapping` = key / value rows ([T, Hkv, D], cast to the cache's
+// dtype): plain row copies, no indexing dispatch.
+void write_slots(at::Tensor& cache, const at::Tensor& key, const at::Tensor& value,
+                 const at::Tensor& slot_mapping) {
+  const int64_t rows = cache.size(1) * cache.size(2), row = cache.size(3) * cache.size(4);
+  const int64_t T = slot_mapping.numel(), elem = cache.element_size();
+  TORCH_CHECK(key.numel() == T * row && value.numel() == T * row,
+              "paged_attention_cpu: key/value must hold one [Hkv, D] row per slot");
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const at::Tensor k = key.to(cache.scalar_type()).contiguous();
+  const at::Tensor v = value.to(cache.scalar_type()).contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  char* base = static_cast<char*>(cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < rows, "paged_attention_cpu: slot ", sp[t],
+                " is outside the cache's ", rows, " slots");
+    std::memcpy(base + sp[t] * row * elem, kp + t * row * elem, row * elem);
+    std::memcpy(base + (rows + sp[t]) * row * elem, vp + t * row * elem, row * elem);
+  }
+}
+
 // The torch backend's paged attention for the common case, in one call: write the step's K/V
 // into the cache, then attend every decode (one new token) in place from the blocks into
 // `out` (float32, zeros). Returns flags for what is left to the PyTorch code: 1 = prefill
@@ -380,9 +541,7 @@ int64_t paged_attention_cpu(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16,
               "paged_attention_cpu: the cache must be float32 or bfloat16");
   const int64_t Hkv = cache.size(3), D = cache.size(4), H = query.size(1);
-  const at::Tensor slots = slot_mapping.to(at::kLong);
-  cache.select(0, 0).view({-1, Hkv, D}).index_copy_(0, slots, key.to(cache.scalar_type()));
-  cache.select(0, 1).view({-1, Hkv, D}).index_copy_(0, slots, value.to(cache.scalar_type()));
+  write_slots(cache, key, value, slot_mapping);
   const at::Tensor qsl_t = query_start_loc.to(at::kLong).contiguous();
   const at::Tensor lens_t = seq_lens.to(at::kLong).contiguous();
   const int64_t* qsl = qsl_t.data_ptr<int64_t>();
