@@ -15,8 +15,9 @@ from ember import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler")
 
-# GEMV (<= 8 rows), tiled widening (9..63), whole-weight widening (>= 64).
-ROWS = [1, 3, 8, 9, 33, 64, 130]
+# The register-blocked GEMV (<= 64 rows; fp32 weights <= 16), then whole-weight widening into
+# one GEMM (fp32 weights: ATen's GEMM); odd row counts hit every block remainder (4 rows each).
+ROWS = [1, 3, 8, 9, 16, 17, 33, 64, 65, 130]
 
 
 def _case(rows: int, n: int = 45, k: int = 67, bias: bool = True):
@@ -37,13 +38,23 @@ def test_fp32_linear_matches_aten(rows, bias):
 
 
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("n", [45, 300])  # 300: more than one tile of 128 rows
+@pytest.mark.parametrize("n", [45, 300])
 def test_bf16_weights_fp32_activations_match_fp32_math(rows, n):
     x, w, b = _case(rows, n=n)
     wb = w.bfloat16()
     out = torch.ops.ember_cpu.bf16_linear(x, wb, b)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, torch.nn.functional.linear(x, wb.float(), b))
+
+
+def test_weights_too_large_to_widen_whole_run_in_tiles():
+    """Past 2^25 elements a weight is widened in tiles of 128 rows per thread (the last one
+    partial), not into one buffer."""
+    x, w, b = _case(65, n=32771, k=1025)
+    wb = w.bfloat16()
+    out = torch.ops.ember_cpu.bf16_linear(x, wb, b)
+    ref = torch.nn.functional.linear(x, wb.float(), b)  # |values| ~ 32: sums of 1025 products
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_linears_keep_leading_dims_and_opcheck():
