@@ -65,7 +65,7 @@ def key_parts(
         "cpu_isa": torch.backends.cpu.get_cpu_capability(),
         "kernels_isa": loaded.cpu_isa,
         "ember": __version__,
-        "graphs": "aot_compile",
+        "graphs": "aot_compile, no asserts",
     }
 
 
