@@ -47,6 +47,23 @@ def test_bf16_weights_fp32_activations_match_fp32_math(rows, n):
     torch.testing.assert_close(out, torch.nn.functional.linear(x, wb.float(), b))
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_activations_match_fp32_math_rounded_once(rows, bias):
+    """bf16 x (native bf16 CPUs): decodes run the GEMV in fp32 and round the result to bf16
+    once; larger steps run ATen's bf16 GEMM."""
+    x, w, b = _case(rows, bias=bias)
+    xb, wb = x.bfloat16().view(1, rows, -1), w.bfloat16()
+    bb = b.bfloat16() if b is not None else None
+    out = torch.ops.ember_cpu.bf16_linear(xb, wb, bb)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, rows, wb.shape[0])
+    ref = torch.nn.functional.linear(xb.float(), wb.float(), bb.float() if bias else None)
+    if rows <= 8:  # one rounding of the fp32 result: at most one bf16 step apart
+        torch.testing.assert_close(out.float(), ref.bfloat16().float(), atol=1e-2, rtol=2**-7)
+    else:
+        torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.02)
+
+
 def test_weights_too_large_to_widen_whole_run_in_tiles():
     """Past 2^25 elements a weight is widened in tiles of 128 rows per thread (the last one
     partial), not into one buffer."""
@@ -65,6 +82,8 @@ def test_linears_keep_leading_dims_and_opcheck():
         x, w, b = _case(rows)
         torch.library.opcheck(torch.ops.ember_cpu.fp32_linear.default, (x, w, b))
         torch.library.opcheck(torch.ops.ember_cpu.bf16_linear.default, (x, w.bfloat16(), b))
+        xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
+        torch.library.opcheck(torch.ops.ember_cpu.bf16_linear.default, (xb, wb, bb))
 
 
 def test_avx2_build_passes_the_same_checks():
