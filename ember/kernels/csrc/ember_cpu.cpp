@@ -79,24 +79,14 @@ inline float vsum(vfloat v) {
 #endif
 
 #if defined(__AVX512F__)
-inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
-// exp(x) for x <= 0 (softmax weights): Cephes' degree-6 polynomial on x - n ln2, times 2^n.
-inline vfloat vexp(vfloat x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const vfloat n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  vfloat r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  vfloat p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
+inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline vfloat vmaxs(vfloat a, float b) { return _mm512_max_ps(a, _mm512_set1_ps(b)); }
+inline vfloat vround(vfloat a) {
+  return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
+inline vfloat vfnma(vfloat a, vfloat b, vfloat c) { return _mm512_fnmadd_ps(a, b, c); }
+inline vfloat vpow2_scale(vfloat p, vfloat n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
 // The kLanes horizontal sums of a[0..kLanes) as one vector (lane j = sum of a[j]), by a
 // transpose-and-add tree: 45 shuffles and adds for 16 sums instead of 16 full reductions.
 inline vfloat vsum_lanes(const vfloat* a) {
@@ -117,24 +107,16 @@ inline vfloat vsum_lanes(const vfloat* a) {
                        _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 #elif defined(EMBER_SIMD)
-inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
-inline vfloat vexp(vfloat x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  const vfloat n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  vfloat r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  vfloat p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                       _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
+inline vfloat vmaxs(vfloat a, float b) { return _mm256_max_ps(a, _mm256_set1_ps(b)); }
+inline vfloat vround(vfloat a) {
+  return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+inline vfloat vfnma(vfloat a, vfloat b, vfloat c) { return _mm256_fnmadd_ps(a, b, c); }
+inline vfloat vpow2_scale(vfloat p, vfloat n) {  // p * 2^n, n integral in [-126, 127]
+  const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
 }
 inline vfloat vsum_lanes(const vfloat* a) {
   vfloat b[4], c[2];
@@ -148,6 +130,24 @@ inline vfloat vsum_lanes(const vfloat* a) {
   }
   return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20),
                        _mm256_permute2f128_ps(c[0], c[1], 0x31));
+}
+#endif
+
+#ifdef EMBER_SIMD
+// exp(x) for x <= 0 (softmax weights): Cephes' degree-6 polynomial on r = x - n ln2, times 2^n.
+inline vfloat vexp(vfloat x) {
+  x = vmaxs(x, -87.3f);  // keeps 2^n normal
+  const vfloat n = vround(vmul(x, vset1(1.44269504f)));
+  vfloat r = vfnma(n, vset1(0.693359375f), x);
+  r = vfnma(n, vset1(-2.12194440e-4f), r);
+  vfloat p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vfma(vmul(p, r), r, vadd(r, vset1(1.f)));
+  return vpow2_scale(p, n);
 }
 #endif
 
