@@ -206,3 +206,46 @@ def test_frozen_graphs_match_eager(checkpoint_dir):
     got = [o.outputs[0].token_ids for o in frozen.generate(prompts, params, use_tqdm=False)]
     assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     assert frozen.llm_engine.runner.graphs_compiled == 2
+
+
+_TASK_CHILD = textwrap.dedent("""
+    import json, sys
+    from ember import LLM, SamplingParams
+    kind, d, cache = sys.argv[1:4]
+    llm = LLM(model=d, dtype="float32", kv_cache_gib=0.01, block_size=4,
+              max_num_batched_tokens=16, compile_cache_dir=cache, use_tqdm=False)
+    if kind == "bart":
+        prompt = {"encoder_prompt": {"prompt_token_ids": [5, 6, 7, 8]},
+                  "decoder_prompt": {"prompt_token_ids": [2]}}
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        result = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    else:
+        out = llm.embed([{"prompt_token_ids": [5, 6, 7, 8, 9]}], use_tqdm=False)
+        result = out[0].outputs.embedding
+    runner = llm.llm_engine.runner
+    print(json.dumps({"hit": llm.llm_engine.compile_cache_hit, "result": result,
+                      "compiled": runner.graphs_compiled, "loaded": runner.graphs_loaded}))
+""")
+
+
+@pytest.mark.parametrize("kind", ["bart", "bert"])
+def test_compile_cache_round_trip_encoder_decoder_and_embedding(kind, tmp_path):
+    """The encoder pass and the embedding graphs load from the cache like a decoder's: a second
+    process compiles nothing and gives the same result."""
+    from tests.conftest import build_tiny_bart, build_tiny_bert
+
+    d = str(tmp_path / kind)
+    build_tiny_bart(d, 200) if kind == "bart" else build_tiny_bert(d)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "default_inductor"))
+    args = [sys.executable, "-c", _TASK_CHILD, kind, d, str(tmp_path / "cache")]
+
+    def run() -> dict:
+        out = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    cold, warm = run(), run()
+    graphs = 4 if kind == "bart" else 2  # (static bucket + dynamic) x (decoder [+ encoder])
+    assert (cold["hit"], cold["compiled"], cold["loaded"]) == (False, graphs, 0)
+    assert (warm["hit"], warm["compiled"], warm["loaded"]) == (True, 0, graphs)
+    assert warm["result"] == cold["result"]
