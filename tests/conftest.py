@@ -104,6 +104,38 @@ def hf_greedy(
     return outs
 
 
+def hf_bart_greedy(
+    model_dir: str,
+    cases: list[tuple[list[int], list[int]]],
+    max_new_tokens: int,
+    dtype: torch.dtype = torch.float32,
+) -> list[list[int]]:
+    """HF BART greedy `generate` per (encoder ids, decoder prefix) case, the decoder prefix
+    after `decoder_start_token_id`; no forced tokens, EOS ignored. Returns the new tokens."""
+    from transformers import BartForConditionalGeneration
+
+    model = BartForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
+    start = model.config.decoder_start_token_id
+    outs = []
+    for enc, dec in cases:
+        prefix = [start, *dec]
+        with torch.no_grad():
+            ids = model.generate(
+                torch.tensor([enc]),
+                decoder_input_ids=torch.tensor([prefix]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                num_beams=1,
+                min_length=0,
+                no_repeat_ngram_size=0,
+                forced_bos_token_id=None,
+                forced_eos_token_id=None,
+                eos_token_id=None,
+            )
+        outs.append(ids[0, len(prefix) :].tolist())
+    return outs
+
+
 def make_prompts(
     num: int, seed: int = 0, low: int = 3, high: int = 40, vocab: int = 500
 ) -> list[list[int]]:

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from transformers import BartForConditionalGeneration
 
 from ember import LLM, SamplingParams
-from tests.conftest import build_tiny_bart, gib_for_blocks
+from tests.conftest import build_tiny_bart, gib_for_blocks, hf_bart_greedy
 
 MAX_NEW = 10
 VOCAB = 200
@@ -32,29 +31,6 @@ def _cases(num: int, seed: int) -> list[tuple[list[int], list[int]]]:
         dec = torch.randint(3, VOCAB, (dec_len,), generator=g).tolist()
         cases.append((enc, dec))
     return cases
-
-
-def _hf_greedy(model_dir: str, cases) -> list[list[int]]:
-    model = BartForConditionalGeneration.from_pretrained(model_dir).eval()
-    start = model.config.decoder_start_token_id
-    outs = []
-    for enc, dec in cases:
-        prefix = [start, *dec]
-        with torch.no_grad():
-            ids = model.generate(
-                torch.tensor([enc]),
-                decoder_input_ids=torch.tensor([prefix]),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                num_beams=1,
-                min_length=0,
-                no_repeat_ngram_size=0,
-                forced_bos_token_id=None,
-                forced_eos_token_id=None,
-                eos_token_id=None,
-            )
-        outs.append(ids[0, len(prefix) :].tolist())
-    return outs
 
 
 def _prompt(enc: list[int], dec: list[int]) -> dict:
@@ -101,7 +77,7 @@ def _run_staggered(llm: LLM, cases) -> list[list[int]]:
 
 def test_bart_batched_mixed_lengths_match_hf(tiny_bart):
     cases = _cases(8, seed=1)
-    want = _hf_greedy(tiny_bart, cases)
+    want = hf_bart_greedy(tiny_bart, cases, MAX_NEW)
     assert len({tuple(w) for w in want}) == len(want)  # the reference is not degenerate
     llm = LLM(
         model=tiny_bart,
@@ -150,14 +126,14 @@ def test_bart_text_prompts_and_errors(tiny_bart):
         llm.embed({"prompt_token_ids": [5, 6]})
     # A plain token list is the encoder input; the decoder starts from decoder_start_token_id.
     out = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == _hf_greedy(tiny_bart, [([5, 6, 7], [])])[0]
+    assert out.outputs[0].token_ids == hf_bart_greedy(tiny_bart, [([5, 6, 7], [])], MAX_NEW)[0]
     assert out.prompt_token_ids == [2]
     assert llm.llm_engine.num_free_blocks() == llm.llm_engine.block_manager.num_usable_blocks
 
 
 def test_bart_compiled_matches_hf_with_zero_recompiles_after_warmup(tiny_bart):
     cases = _cases(6, seed=2)
-    want = _hf_greedy(tiny_bart, cases)
+    want = hf_bart_greedy(tiny_bart, cases, MAX_NEW)
     llm = LLM(
         model=tiny_bart, dtype="float32", kv_cache_gib=0.01, block_size=4, max_num_batched_tokens=64
     )
