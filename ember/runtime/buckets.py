@@ -1,4 +1,5 @@
-"""Shape buckets: pure functions from step sizes to padded sizes and graph keys.
+"""Shape buckets: pure functions from step sizes to padded sizes (which graph a padded size runs:
+`ember.compiler.capture.CompiledForward.key`).
 
 Graphs are specialised on `num_tokens` only: `num_seqs` is always a dynamic dimension (only the
 opaque attention op and the logits gather see it). Token counts up to the largest static bucket
@@ -27,10 +28,6 @@ def padded_num_tokens(num_tokens: int, buckets: tuple[int, ...]) -> int:
     """The smallest static bucket holding `num_tokens`, or `num_tokens` itself past the ladder."""
     i = bisect.bisect_left(buckets, num_tokens)
     return buckets[i] if i < len(buckets) else num_tokens
-
-
-def is_static(num_tokens_padded: int, buckets: tuple[int, ...]) -> bool:
-    return num_tokens_padded <= buckets[-1]
 
 
 def graph_sizes(buckets: tuple[int, ...], max_num_batched_tokens: int) -> tuple[int, ...]:
