@@ -191,13 +191,25 @@ inline void gemv_block(const float* x, const W* w, const float* scales, const fl
   vfloat va[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) va[r][c] = vzero();
+  // Whole cache lines first, each prefetched once: the rows of the block kAhead blocks on,
+  // page-sized jumps the hardware prefetcher does not follow (measured on 85 llama-160m
+  // projections at batch 1: 8.2 -> 3.1-4.7 ms). Two blocks ahead for int8 rows (half the bytes
+  // of bf16 ones): 8*K bytes ahead either way. One prefetch per line, not per vector, and int8
+  // two blocks ahead: a pass over the 85 projections 2.44 -> 2.26 ms (int8), 5.37 -> 5.24 ms
+  // (bf16), AVX-512; 2.99 -> 2.61 and 5.51 -> 5.47 ms AVX2 (medians of 60 interleaved passes).
+  constexpr int64_t kAhead = sizeof(W) == 1 ? 2 : 1;
+  constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line, a multiple of kLanes
+  for (; k + kLine <= K; k += kLine) {
+    for (int c = 0; c < C; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr[c] + k + kAhead * C * K), _MM_HINT_T0);
+      for (int64_t u = 0; u < kLine; u += kLanes) {
+        const vfloat wv = vwiden(wr[c] + k + u);
+        for (int r = 0; r < R; ++r) va[r][c] = vfma(vload(xr[r] + k + u), wv, va[r][c]);
+      }
+    }
+  }
   for (; k + kLanes <= K; k += kLanes) {
     for (int c = 0; c < C; ++c) {
-      // The next block's rows: page-sized jumps the hardware prefetcher does not follow
-      // (measured on 85 llama-160m projections at batch 1: 8.2 -> 3.1-4.7 ms).
-      _mm_prefetch(reinterpret_cast<const char*>(wr[c] + k + C * K), _MM_HINT_T0);
-      if constexpr (sizeof(W) == 2)  // a vector of bf16 spans two cache lines per 64 bytes
-        _mm_prefetch(reinterpret_cast<const char*>(wr[c] + k + C * K) + 64, _MM_HINT_T0);
       const vfloat wv = vwiden(wr[c] + k);
       for (int r = 0; r < R; ++r) va[r][c] = vfma(vload(xr[r] + k), wv, va[r][c]);
     }
