@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ember import LLM
+from ember.compiler.quant import PackedLinear
 from ember.tools import bench
 
 
@@ -18,18 +19,24 @@ def test_bench_workloads_run_and_report(checkpoint_dir):
         ours = bench.run_ember(llm, tiny, repeats=2)
         model = llm.llm_engine.runner.model
         per_token = bench.decode_bytes_per_token(model)
-        # Untied tiny Llama: everything but the input embedding table is read per token.
+        # Untied tiny Llama: everything but the input embedding table is read per token: the
+        # parameters left (norms) and every packed linear weight, padding included.
         expected = sum(
             p.numel() * p.element_size()
             for n, p in model.named_parameters()
             if "embed_tokens" not in n
+        ) + sum(
+            m.packed.numel() * m.packed.element_size()
+            for m in model.modules()
+            if isinstance(m, PackedLinear)
         )
+        assert any(isinstance(m, PackedLinear) for m in model.modules())
         flops = bench.workload_flops(model, tiny)
         cfg = model.config
         linears = sum(
             m.in_features * m.out_features
             for n, m in model.named_modules()
-            # nn.Linear, or ember's GemvLinear standing in for it
+            # nn.Linear, or ember's linears standing in for it
             if hasattr(m, "in_features") and n != "lm_head"
         )
     tokens = 8 + 4 - 1

@@ -20,7 +20,8 @@ OPAQUE_OPS: dict[str, str] = {
     "ember::lora_shrink": "ember.lora.ops",
     "ember::lora_expand": "ember.lora.ops",
     "ember_cpu::paged_attention_cpu": "ember.kernels",
-    "ember_cpu::woq_int8_linear": "ember.kernels",
+    "ember_cpu::packed_linear": "ember.kernels",
+    "ember_cpu::pack_linear_weight": "ember.kernels",
     "ember_cpu::bf16_linear": "ember.kernels",
     "ember_cpu::fp32_linear": "ember.kernels",
 }

@@ -66,6 +66,7 @@ def key_parts(
         "kernels_isa": loaded.cpu_isa,
         "ember": __version__,
         "graphs": "aot_compile, no asserts",
+        "linears": "packed panels",
     }
 
 

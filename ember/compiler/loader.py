@@ -22,7 +22,7 @@ from ember import kernels
 from ember.attention import AttentionBackend
 from ember.compiler.hf_bridge import register_attention
 from ember.compiler.hf_config import ModelSpec, UnsupportedModelError
-from ember.compiler.quant import GemvLinear, quantize_int8_, use_gemv_
+from ember.compiler.quant import GemvLinear, PackedLinear, quantize_int8_, use_kernel_linears_
 from ember.lora.layers import LoRALinear, install_lora
 
 logger = logging.getLogger("ember")
@@ -106,7 +106,7 @@ def load_model(
         kernels.load(cpu_isa)
         quantize_int8_(model)
     elif (kernel_linears or narrow) and kernels.available(cpu_isa):
-        use_gemv_(model)
+        use_kernel_linears_(model, packed=dtype == torch.float32)
     if narrow:
         _widen_all_but_linear_weights(model, dtype)
     return LoadedModel(
@@ -126,11 +126,11 @@ def load_model(
 
 
 def _widen_all_but_linear_weights(model: PreTrainedModel, dtype: torch.dtype) -> None:
-    """Every floating parameter and buffer in `dtype`, except the weights `GemvLinear`s read
+    """Every floating parameter and buffer in `dtype`, except the weights ember's linears read
     narrow and the input embedding table, whose output is widened instead (a tied LM head
     shares that table, so it stays one tensor)."""
     embed = model.get_input_embeddings()
-    keep = {id(m.weight) for m in model.modules() if isinstance(m, GemvLinear)}
+    keep = {id(m.weight) for m in model.modules() if isinstance(m, (GemvLinear, PackedLinear))}
     keep.add(id(embed.weight))
     for module in model.modules():
         for param in module.parameters(recurse=False):

@@ -1,25 +1,33 @@
-"""Narrow weights, fp32 math: weight-only int8 (`Int8Linear`) and bf16 (`Bf16Linear`) linears.
+"""ember's linears: packed weights and fp32 math (`PackedLinear`, `Int8Linear`), or the GEMV over
+the checkpoint's own layout (`GemvLinear`).
 
-bf16 models: every nn.Linear becomes a `Bf16Linear` holding the same bf16 weight (tied heads
-stay tied). Steps of up to `kGemvMaxRows` tokens (8, `ember/kernels/csrc`; decodes) run ember's
-fused GEMV, widening bf16 rows to fp32 in registers (measured on the 85 llama-160m projections at
-batch 1: 9.5-13.0 ms vs 18.0-23.4 ms through ATen's bf16 matmul); larger steps go to ATen's
-bf16 GEMM (oneDNN: AMX / AVX512-BF16 where present).
-
-Weight-only int8: int8 weights with one fp32 scale per output channel, fp32 math.
+- fp32 activations (every CPU without native bf16 math, and fp32 / int8 models everywhere):
+  each nn.Linear becomes a `PackedLinear`. Its weight (fp32, bf16, or int8 with one fp32 scale
+  per output channel) is re-laid once, at load, into panels of output channels
+  (`ember_cpu::pack_linear_weight`) and every step runs one kernel for every size
+  (`ember_cpu::packed_linear`): an outer-product register block that widens the narrow weight
+  to fp32 in registers. A decode reads each weight byte once; a prefill chunk or batched decode
+  reuses each widened weight vector for up to 12 rows of x (llama-160m's projections, AMD EPYC
+  2 cores: bf16 M=32 434 GFLOP/s, M=128 427, against ~200 for ATen's fp32 GEMM; see the
+  kernel's comment). No widened copy of a weight is ever written.
+- bf16 activations (native bf16 math: AVX512-BF16 / AMX): `GemvLinear` keeps the checkpoint's
+  [N, K] bf16 weight: the dot-product GEMV for decode-sized steps, ATen's bf16 GEMM (oneDNN)
+  above, which needs that layout.
+- An LM head tied to the input embedding stays a `GemvLinear` over the shared table (the
+  lookup needs the [vocab, d] layout; packing would hold the table twice).
 
 A batch-1 decode step reads every weight once, so its floor is weight bytes / memory bandwidth;
-int8 storage reads a quarter of fp32's bytes (half of bf16's). Activations, the KV cache and
-the accumulation stay fp32: `ember_cpu::woq_int8_linear` (`ember.kernels`) widens int8 weight
-rows to fp32 in registers inside its GEMV, or tile by tile in L2 for large steps, so no
-dequantised copy of a whole weight is ever written.
+int8 storage reads a quarter of fp32's bytes (half of bf16's).
 
-Quantised: every `nn.Linear` of the model, including an LM head tied to the input embedding
-(the head gets its own int8 copy; the embedding table stays in the run dtype, since a lookup
-reads one row of it). Symmetric per-output-channel scales, `scale = max|w_row| / 127`.
+Weight-only int8 (`quantization="int8"`): every `nn.Linear` of the model, including an LM head
+tied to the input embedding (the head gets its own int8 copy; the embedding table stays in the
+run dtype, since a lookup reads one row of it). Symmetric per-output-channel scales,
+`scale = max|w_row| / 127`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -30,37 +38,50 @@ from ember import kernels
 QUANTIZATIONS = ("int8",)
 
 
-class Int8Linear(nn.Module):
-    """`y = (x @ w_int8.T) * scale + bias` with fp32 accumulation; a drop-in for nn.Linear."""
+class PackedLinear(nn.Module):
+    """`y = (x @ w.T) * scales + bias`, fp32 math, the weight packed into panels (see the module
+    doc); a drop-in for nn.Linear. `quantize=True`: int8 weights with per-channel scales."""
 
-    weight_int8: torch.Tensor
-    scales: torch.Tensor
+    packed: torch.Tensor
+    scales: torch.Tensor | None
     bias: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, quantize: bool = False) -> None:
         super().__init__()
         kernels.load()
-        w = linear.weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.register_buffer(
-            "weight_int8", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        )
-        self.register_buffer("scales", scale)
+        w = linear.weight.detach()
+        scales = None
+        if quantize:
+            w = w.float()
+            scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+            w = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("packed", torch.ops.ember_cpu.pack_linear_weight(w))
+        self.register_buffer("scales", scales)
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     @property
     def weight(self) -> torch.Tensor:
-        """HF code reads `proj.weight.dtype`/`.device`; the int8 tensor answers for device."""
-        return self.weight_int8
+        """HF code reads `proj.weight.dtype`/`.device`; the packed tensor answers both."""
+        return self.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.ember_cpu.woq_int8_linear(x, self.weight_int8, self.scales, self.bias)
+        return torch.ops.ember_cpu.packed_linear(
+            x, self.packed, self.scales, self.bias, self.out_features
+        )
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+        dtype = str(self.packed.dtype).removeprefix("torch.")
+        return f"in_features={self.in_features}, out_features={self.out_features}, {dtype} packed"
+
+
+class Int8Linear(PackedLinear):
+    """Weight-only int8 with one fp32 scale per output channel, packed."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear, quantize=True)
 
 
 class GemvLinear(nn.Module):
@@ -90,7 +111,7 @@ class GemvLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {dtype} GEMV"
 
 
-def _replace_linears(model: nn.Module, make: type[nn.Module]) -> int:
+def _replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
     targets = [
         (name, module) for name, module in model.named_modules() if type(module) is nn.Linear
     ]
@@ -101,10 +122,19 @@ def _replace_linears(model: nn.Module, make: type[nn.Module]) -> int:
     return len(targets)
 
 
-def use_gemv_(model: nn.Module) -> int:
-    """Route every bf16/fp32 nn.Linear of `model` through `GemvLinear`, in place; returns how
-    many."""
-    return _replace_linears(model, GemvLinear)
+def use_kernel_linears_(model: nn.Module, packed: bool) -> int:
+    """Route every bf16/fp32 nn.Linear of `model` through ember's kernels, in place: packed
+    (`PackedLinear`, for fp32 activations) or `GemvLinear` (bf16 activations; and a head tied
+    to the input embedding either way). Returns how many."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    shared = getattr(embed, "weight", None)
+
+    def make(linear: nn.Linear) -> nn.Module:
+        if packed and linear.weight is not shared:
+            return PackedLinear(linear)
+        return GemvLinear(linear)
+
+    return _replace_linears(model, make)
 
 
 def quantize_int8_(model: nn.Module) -> int:

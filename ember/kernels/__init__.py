@@ -11,22 +11,24 @@ flash-decoding split) are left to the PyTorch code, as the returned flags say. I
 about 20 small ATen calls per layer (write, gather, mask, SDPA, scatter) that cost ~0.45 ms
 per layer at batch 1.
 
-`ember_cpu::woq_int8_linear(x, w_int8, scales, bias?)`: y = (x @ w^T) * scales + bias, with x
-and y float32, w int8 [N, K] and one float32 scale per output channel. fp32 math throughout.
-- Up to `kGemvMaxRows` rows (decode steps): a fused GEMV. Each thread owns a range of output
-  channels and reads each int8 weight row once for all rows of x (four at a time), widening to
-  fp32 in registers, so a step reads 1 byte per weight. ATen's `_weight_int8pack_mm` has no
-  vectorised fp32-activation path (measured 1.16 ms vs 0.17 ms fp32 for 1x768 @ 768x2048).
-- `kWidenMinRows` rows or more (prefill chunks): the weight is widened once into a reused fp32
-  buffer and one multi-threaded GEMM runs on it (weights up to 128 MiB of fp32).
-- Between the two (batched decodes), or for larger weights: each thread widens a tile of weight
-  rows into an L2-sized fp32 buffer and runs one GEMM on it, so no full fp32 copy is written.
+`ember_cpu::pack_linear_weight(w) -> w_packed` and `ember_cpu::packed_linear(x, w_packed,
+scales?, bias?, out_features)`: the linears of every model run with fp32 activations. The
+weight (fp32, bf16, or int8 with one fp32 scale per output channel) is re-laid once, at load,
+into panels of 2 vector widths of output channels, [ceil(N / panel), K, panel], zeros past N
+(the panel width depends on the build's ISA: 32 with AVX-512, 16 with AVX2). One outer-product
+kernel serves every step size, widening the weight to fp32 in registers: decodes stream each
+panel once (memory-bound), larger steps reuse each weight vector for up to 12 rows of x
+(compute-bound; about twice ATen's fp32 GEMM rate at prefill sizes). fp32 math throughout; y in
+x's dtype.
 
-`ember_cpu::bf16_linear(x, w_bf16, bias?)`: bf16 weights. With fp32 activations (CPUs without
-native bf16 math) the same paths as int8, all fp32 math; with bf16 activations, the GEMV for
-decodes and ATen's bf16 GEMM (AMX / AVX512-BF16) above.
+`ember_cpu::bf16_linear(x, w_bf16, bias?)`: bf16 weights in the checkpoint's [N, K] layout (bf16
+activations on CPUs with native bf16 math, and LM heads tied to the input embedding): the
+dot-product GEMV for decodes, ATen's bf16 GEMM (AMX / AVX512-BF16) above with bf16
+activations; with fp32 activations the weight is widened (whole, or tile by tile in L2) into
+an fp32 GEMM.
 
-`ember_cpu::fp32_linear(x, w_fp32, bias?)`: the GEMV for fp32 weights (decodes); ATen above.
+`ember_cpu::fp32_linear(x, w_fp32, bias?)`: the GEMV for fp32 weights in [N, K] (a tied head's
+decodes); ATen above.
 
 Built with `-O3 -march=native` (or, for `cpu_isa="avx2"`, `-march=x86-64-v3`: the AVX2 paths on
 an AVX-512 machine) into `$XDG_CACHE_HOME/ember/kernels/<isa>-<hash>`, keyed by source, flags,
@@ -52,17 +54,35 @@ _CFLAGS = ["-O3", "-fopenmp"]
 # Per `ember.host.CPU_ISAS`: the native build, or AVX2 + FMA without AVX-512 (x86-64-v3).
 _ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=native"]}
 _loaded_isa: str | None = None
+_panel = 0  # packed weight panel width of the loaded build
 
 
 def _register_fakes() -> None:
     """Shape functions of the C++ ops, so torch.compile can trace through them."""
-    for name in ("woq_int8_linear", "bf16_linear", "fp32_linear"):
+    for name in ("bf16_linear", "fp32_linear"):
         torch.library.register_fake(f"ember_cpu::{name}", _linear_fake)
+    torch.library.register_fake("ember_cpu::packed_linear", _packed_linear_fake)
+    torch.library.register_fake("ember_cpu::pack_linear_weight", _pack_fake)
 
 
 def _linear_fake(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Tensor:
     """Every linear op's output: x's leading dims, w's output channels."""
     return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _packed_linear_fake(
+    x: torch.Tensor, w: torch.Tensor, scales: object, bias: object, out_features: int
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def panel_width() -> int:
+    """Output channels per packed panel in the loaded build (0 before `load`)."""
+    return _panel
+
+
+def _pack_fake(w: torch.Tensor) -> torch.Tensor:
+    return w.new_empty((-(-w.shape[0] // _panel), w.shape[1], _panel))
 
 
 def loaded_isa() -> str | None:
@@ -112,6 +132,8 @@ def _build_and_load(isa: str, cflags: list[str]) -> None:
         )
     except (RuntimeError, OSError, ImportError) as e:
         raise RuntimeError(f"cannot build ember's C++ kernels in {build_dir}: {e}") from e
+    global _panel
+    _panel = int(torch.ops.ember_cpu.pack_linear_weight(torch.zeros(1, 1)).shape[2])
     _register_fakes()
 
 

@@ -297,7 +297,7 @@ class StepProfile:
     host: float
 
 
-_LINEAR_OPS = ("ember_cpu::fp32_linear", "ember_cpu::bf16_linear", "ember_cpu::woq_int8_linear")
+_LINEAR_OPS = ("ember_cpu::packed_linear", "ember_cpu::fp32_linear", "ember_cpu::bf16_linear")
 _GEMM_OPS = ("aten::mm", "aten::addmm", "aten::linear")
 
 

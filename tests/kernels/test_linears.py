@@ -1,5 +1,6 @@
-"""ember's fp32/bf16 linear kernels (int8: tests/e2e/test_int8.py) against fp32 references at odd sizes, every path (GEMV, tiles, whole
-widening), and opcheck. The AVX2 build (`cpu_isa="avx2"`) runs the same checks in a process of
+"""ember's linear kernels against float64 / fp32 references at odd sizes and opcheck: the packed
+kernel (fp32, bf16 and int8 weights: every row-block size, k slices, partial panels) and the
+[N, K]-layout ones (GEMV, tiles, whole widening). The AVX2 build (`cpu_isa="avx2"`) runs the same checks in a process of
 its own (one kernel build per process)."""
 
 from __future__ import annotations
@@ -84,6 +85,87 @@ def test_linears_keep_leading_dims_and_opcheck():
         torch.library.opcheck(torch.ops.ember_cpu.bf16_linear.default, (x, w.bfloat16(), b))
         xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
         torch.library.opcheck(torch.ops.ember_cpu.bf16_linear.default, (xb, wb, bb))
+
+
+PACKED_DTYPES = [torch.float32, torch.bfloat16, torch.int8]
+
+
+def _packed_case(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool = True):
+    g = torch.Generator().manual_seed(rows * 7919 + n * 31 + k)
+    x = torch.randn(rows, k, generator=g)
+    if dtype == torch.int8:
+        w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        scales = torch.rand(n, generator=g) + 0.01
+    else:
+        w, scales = torch.randn(n, k, generator=g).to(dtype), None
+    b = torch.randn(n, generator=g) if bias else None
+    ref = x.double() @ w.double().t()
+    if scales is not None:
+        ref = ref * scales.double()
+    if b is not None:
+        ref = ref + b.double()
+    return x, w, scales, b, ref
+
+
+# Every row-block size (up to 12 rows per block with AVX-512, 6 with AVX2; M = 1 has its own
+# loop), balanced splits (13 = 7 + 6) and many blocks.
+PACKED_ROWS = [1, 2, 3, 5, 6, 7, 8, 11, 12, 13, 25, 64, 130]
+
+
+@pytest.mark.parametrize("dtype", PACKED_DTYPES, ids=["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("rows", PACKED_ROWS)
+def test_packed_linear_matches_float64(dtype, rows):
+    # n = 45: one full panel plus a partial one (16-wide AVX2 panels: 2 full + 13); k = 67: no
+    # multiple of the 4-k unroll
+    x, w, scales, b, ref = _packed_case(rows, 45, 67, dtype)
+    packed = torch.ops.ember_cpu.pack_linear_weight(w)
+    out = torch.ops.ember_cpu.packed_linear(x, packed, scales, b, 45)
+    assert out.dtype == torch.float32 and out.shape == (rows, 45)
+    torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=1e-4)  # fp32 sums of 67 terms
+
+
+@pytest.mark.parametrize("dtype", PACKED_DTYPES, ids=["fp32", "bf16", "int8"])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (3, 2050), (257, 1030), (64, 1024)])
+@pytest.mark.parametrize("rows", [1, 4, 19])
+def test_packed_linear_odd_shapes_and_k_slices(dtype, n, k, rows):
+    """k past one 1024-deep slice (partial sums carried in y), a single channel, panels of
+    exactly the width."""
+    x, w, scales, b, ref = _packed_case(rows, n, k, dtype, bias=n != 64)
+    out = torch.ops.ember_cpu.packed_linear(
+        x, torch.ops.ember_cpu.pack_linear_weight(w), scales, b, n
+    )
+    torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-4)  # up to 2050 terms
+
+
+def test_pack_layout_is_panels_of_output_channels():
+    panel = kernels.panel_width()
+    assert panel in (16, 32)  # two vectors: AVX2 / AVX-512
+    w = torch.arange(50 * 3, dtype=torch.float32).view(50, 3)
+    packed = torch.ops.ember_cpu.pack_linear_weight(w)
+    assert packed.shape == (-(-50 // panel), 3, panel)
+    for n in (0, 17, 49):
+        assert torch.equal(packed[n // panel, :, n % panel], w[n])
+    assert not packed[-1, :, 50 % panel :].any()  # zeros past N
+    assert torch.equal(torch.ops.ember_cpu.pack_linear_weight(w.bfloat16()).float(), packed)
+
+
+def test_packed_linear_contract():
+    x, w, scales, b, _ = _packed_case(5, 45, 67, torch.int8)
+    packed = torch.ops.ember_cpu.pack_linear_weight(w)
+    out = torch.ops.ember_cpu.packed_linear(x.view(1, 5, 67).bfloat16(), packed, scales, b, 45)
+    assert out.shape == (1, 5, 45) and out.dtype == torch.bfloat16  # y in x's dtype
+    for rows in (0, 1, 13):
+        args = (torch.randn(rows, 67), packed, scales, b, 45)
+        torch.library.opcheck(torch.ops.ember_cpu.packed_linear.default, args)
+    torch.library.opcheck(torch.ops.ember_cpu.pack_linear_weight.default, (w,))
+    with pytest.raises(RuntimeError, match="pack_linear_weight"):
+        torch.ops.ember_cpu.packed_linear(x, w, scales, b, 45)  # an unpacked weight
+    with pytest.raises(RuntimeError, match="does not fit"):
+        torch.ops.ember_cpu.packed_linear(x, packed, scales, b, 200)
+    with pytest.raises(RuntimeError, match="scales"):
+        torch.ops.ember_cpu.packed_linear(x, packed, scales[:3], b, 45)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or int8"):
+        torch.ops.ember_cpu.pack_linear_weight(torch.zeros(4, 4, dtype=torch.float16))
 
 
 def test_avx2_build_passes_the_same_checks():
