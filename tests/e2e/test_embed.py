@@ -72,6 +72,10 @@ def test_embedding_model_rejects_generate_and_bad_input(tiny_bert):
         llm.embed({"prompt_token_ids": [1] * 500})
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 300\)"):
         llm.embed({"prompt_token_ids": [300]})
+    with pytest.raises(ValueError, match="unique"):
+        llm.llm_engine.embed(["a", "a"], [{"prompt_token_ids": [1]}] * 2)
+    # Every prompt is checked before any is queued: nothing is left behind.
+    assert not llm.llm_engine.has_unfinished_requests()
     assert llm.llm_engine.num_free_blocks() == llm.llm_engine.block_manager.num_usable_blocks
 
 
