@@ -48,6 +48,8 @@ def test_bench_workloads_run_and_report(checkpoint_dir):
     assert ours.out_tok_s > 0 and ours.ttft_ms > 0 and ours.tpot_ms > 0 and len(ours.runs) == 2
     assert hf.out_tok_s > 0 and hf.startup_s is not None
     assert per_token == expected
+    # The compute roofline's GEMM rate: the faster of ATen and ember's packed kernel (loaded here)
+    assert bench.measure_gemm_gflops(torch.float32, m=16, k=32, n=48, repeats=1) > 0
     report = bench.Report(tiny, [ours, hf], 20.0, per_token, 100.0, "float32", flops, False)
     table = bench.format_table(report)
     assert "ember vs hf-eager" in table and "compute roofline" in table and "cold" in table
