@@ -205,6 +205,13 @@ class LLMEngine:
         included), leaving the engine untouched."""
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        for i in range(params.n):  # n > 1 names its sequences "<i>_<request_id>"
+            child = _child_id(request_id, i, params.n)
+            if child in self._child_to_parent:
+                raise ValueError(
+                    f"request_id {request_id!r} with n={params.n} needs sequence id {child!r}, "
+                    f"which request {self._child_to_parent[child]!r} is using"
+                )
         lora_id = None
         if lora_request is not None:
             if self.lora is None:

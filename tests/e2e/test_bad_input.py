@@ -76,6 +76,28 @@ def test_duplicate_request_id_is_rejected(llm):
     assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("first", ["1_x", "x"])
+def test_sequence_id_collision_with_n_is_rejected_and_harms_nothing(llm, first):
+    """n > 1 names its sequences "0_x", "1_x": a request "1_x" beside "x" with n=2 (either one
+    first) is rejected before anything is queued, and the request in flight still finishes."""
+    engine = llm.llm_engine
+    free = engine.num_free_blocks()
+    params = {"1_x": SamplingParams(max_tokens=3), "x": SamplingParams(max_tokens=3, n=2)}
+    second = "x" if first == "1_x" else "1_x"
+    engine.add_request(first, {"prompt_token_ids": GOOD[0]}, params[first])
+    with pytest.raises(ValueError, match="sequence id '1_x'"):
+        engine.add_request(second, {"prompt_token_ids": GOOD[1]}, params[second])
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert list(done) == [first]
+    assert all(len(c.token_ids) == 3 for c in done[first].outputs)
+    assert len(done[first].outputs) == params[first].n
+    assert engine.num_free_blocks() == free
+
+
 def _copy(src: str, dst: str) -> str:
     shutil.copytree(src, dst)
     return dst
