@@ -189,6 +189,13 @@ class EngineArgs:
         return EngineArgs(**values)
 
 
+def _check_int(name: str, value: int, low: int, high: int) -> None:
+    """An integer knob: a float (even 16.0) or a bool is rejected, not truncated."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    _check_range(name, value, low, high)
+
+
 def _check_range(name: str, value: int | float, low: int | float, high: int | float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
@@ -266,17 +273,19 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_range("kv_cache_gib", self.kv_cache_gib, 1e-6, 1024)
-        _check_range("block_size", self.block_size, 1, 1024)
+        _check_int("block_size", self.block_size, 1, 1024)
         if self.block_size & (self.block_size - 1):
             raise ValueError(
                 f"block_size must be a power of two in [1, 1024], got {self.block_size}"
             )
-        _check_range("max_num_seqs", self.max_num_seqs, 1, 4096)
-        _check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
-        _check_range("max_model_len", self.max_model_len, 1, 1 << 24)
-        _check_range("max_logprobs", self.max_logprobs, 0, 1 << 20)
+        _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
+        _check_int("max_model_len", self.max_model_len, 1, 1 << 24)
+        _check_int("max_logprobs", self.max_logprobs, 0, 1 << 20)
+        _check_int("seed", self.seed, 0, (1 << 63) - 1)
         if (
-            not self.token_buckets
+            any(isinstance(b, bool) or not isinstance(b, int) for b in self.token_buckets)
+            or not self.token_buckets
             or list(self.token_buckets) != sorted(set(self.token_buckets))
             or self.token_buckets[0] < 1
             or self.token_buckets[-1] > self.max_num_batched_tokens
@@ -292,8 +301,8 @@ class EngineConfig:
             )
         if self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype}")
-        _check_range("max_loras", self.max_loras, 1, 64)
-        _check_range("max_lora_rank", self.max_lora_rank, 1, 512)
+        _check_int("max_loras", self.max_loras, 1, 64)
+        _check_int("max_lora_rank", self.max_lora_rank, 1, 512)
         if self.enable_lora and self.task != "generate":
             raise ValueError(f"enable_lora=True needs a decoder-only LM; this model is {self.task}")
         if self.enable_lora and self.freeze_weights:

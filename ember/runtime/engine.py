@@ -91,6 +91,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._parents: dict[str, _ParentState] = {}
         self._child_to_parent: dict[str, str] = {}
+        self._closed = False
         # Outputs of other requests produced while `embed` ran the loop: the next step's.
         self._held: list[Any] = []
 
@@ -203,6 +204,7 @@ class LLMEngine:
     ) -> None:
         """Queue a request; raises ValueError for bad input (a LoRA adapter that does not fit
         included), leaving the engine untouched."""
+        self._check_open()
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         for i in range(params.n):  # n > 1 names its sequences "<i>_<request_id>"
@@ -324,6 +326,7 @@ class LLMEngine:
 
     def _embed_parent(self, request_id: str, prompt: PromptType, index: int) -> _ParentState:
         """The checked, tokenized embedding request (not queued)."""
+        self._check_open()
         if self.config.task == "encdec":
             raise ValueError(
                 "LLM.embed needs an encoder-only or causal model; this one is encoder-decoder"
@@ -380,10 +383,16 @@ class LLMEngine:
         return [outputs[rid] for rid in request_ids]
 
     def close(self) -> None:
-        """Abort all requests and drop the KV cache, the compiled graphs and the model."""
+        """Abort all requests and drop the KV cache, the compiled graphs and the model; adding
+        requests or stepping afterwards raises RuntimeError."""
         for request_id in list(self._parents):
             self.abort_request(request_id)
         self.runner.close()
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine is closed; create a new one to run more requests")
 
 
 def _completion(index: int, request: Request, start: int, text_start: int) -> CompletionOutput:

@@ -165,11 +165,16 @@ class LLM:
         return [finished[i] for i in ids]
 
     def close(self) -> None:
-        """Abort everything and release the KV cache and the model; the LLM is unusable after."""
-        engine = getattr(self, "llm_engine", None)
+        """Abort everything and release the KV cache and the model; the LLM is unusable after
+        (its methods raise RuntimeError)."""
+        engine = self.__dict__.pop("llm_engine", None)
         if engine is not None:
             engine.close()
-            del self.llm_engine
+
+    def __getattr__(self, name: str) -> object:
+        if name == "llm_engine":  # only reached once `close` has dropped it
+            raise RuntimeError("this LLM is closed; create a new LLM to run more requests")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __enter__(self) -> LLM:
         return self

@@ -175,3 +175,37 @@ def test_engine_close_releases_memory_across_five_cycles(checkpoint_dir):
         rss.append(_rss_mib())
         assert peak - rss[-1] > 200, "closing must release the 256 MiB KV cache"
     assert rss[-1] - rss[0] < 64, f"RSS grew across create/close cycles: {rss}"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_num_seqs", 2.5),
+        ("block_size", 16.0),
+        ("max_model_len", 64.5),
+        ("max_num_batched_tokens", 512.0),
+        ("max_logprobs", True),
+        ("seed", 1.5),
+        ("max_loras", 2.0),
+        ("token_buckets", (1.0, 8)),
+    ],
+)
+def test_integer_knobs_reject_floats_and_bools(checkpoint_dir, field, value):
+    from ember import EngineArgs
+
+    args = EngineArgs(model=checkpoint_dir("tiny-llama"), **{field: value})
+    with pytest.raises(ValueError, match=field):
+        args.create_engine_config()
+
+
+def test_closed_llm_and_engine_raise_a_clear_error(checkpoint_dir):
+    llm = LLM(model=checkpoint_dir("tiny-llama"), compile=False, kv_cache_gib=0.01)
+    engine = llm.llm_engine
+    llm.close()
+    llm.close()  # closing twice is harmless
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate({"prompt_token_ids": GOOD[0]}, SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.add_request("late", {"prompt_token_ids": GOOD[0]}, SamplingParams(max_tokens=2))
+    with pytest.raises(AttributeError):
+        llm.no_such_attribute  # noqa: B018
