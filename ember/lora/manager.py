@@ -30,6 +30,11 @@ class LoRAManager:
         self.max_rank = max_rank
         self.shapes = {n: (m.base.in_features, m.base.out_features) for n, m in wrapped.items()}
         self.adapters: dict[int, tuple[LoRARequest, LoRAWeights]] = {}
+        # lora id -> the load generation of the adapter now under that id: a different adapter
+        # added under an id that was removed gets a new one, so prefix-cache keys salted with
+        # it never match K/V that the old adapter computed.
+        self.generation: dict[int, int] = {}
+        self._loads = 0
         # lora id -> slot, least recently used first.
         self.resident: OrderedDict[int, int] = OrderedDict()
         self.num_swaps = 0
@@ -46,11 +51,14 @@ class LoRAManager:
             return
         weights = load_adapter(request, self.shapes, self.max_rank)
         self.adapters[request.lora_int_id] = (request, weights)
+        self._loads += 1
+        self.generation[request.lora_int_id] = self._loads
 
     def remove(self, lora_id: int) -> bool:
         slot = self.resident.pop(lora_id, None)
         if slot is not None:
             self._clear(slot)
+        self.generation.pop(lora_id, None)
         return self.adapters.pop(lora_id, None) is not None
 
     def requests(self) -> list[LoRARequest]:

@@ -214,12 +214,13 @@ class LLMEngine:
                     f"request_id {request_id!r} with n={params.n} needs sequence id {child!r}, "
                     f"which request {self._child_to_parent[child]!r} is using"
                 )
-        lora_id = None
+        lora_id, lora_generation = None, 0
         if lora_request is not None:
             if self.lora is None:
                 raise ValueError("lora_request needs an engine built with enable_lora=True")
             self.lora.add(lora_request)
             lora_id = lora_request.lora_int_id
+            lora_generation = self.lora.generation[lora_id]
         if self.config.task == "embed":
             arch = self.config.model_spec.architecture
             raise ValueError(
@@ -246,6 +247,7 @@ class LLMEngine:
                 torch.Generator().manual_seed(base_seed + i),
                 encoder_token_ids=encoder_ids,
                 lora_id=lora_id,
+                lora_generation=lora_generation,
                 detokenizer=IncrementalDetokenizer(
                     self.tokenizer, token_ids, params.skip_special_tokens
                 ),

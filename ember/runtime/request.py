@@ -153,6 +153,7 @@ class Request:
     # K/V live in blocks of their own. Prefix-cache keys of the decoder tokens include it.
     encoder_token_ids: list[int] | None = None
     lora_id: int | None = None
+    lora_generation: int = 0  # LoRAManager.generation of the adapter: part of the cache salt
     pool: bool = False
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""
@@ -168,9 +169,9 @@ class Request:
         if self.encoder_token_ids is not None:
             ids = ",".join(map(str, self.encoder_token_ids)).encode()
             self.cache_salt = hashlib.sha256(b"encoder:" + ids).digest()
-        if self.lora_id is not None:  # two adapters never share KV blocks
+        if self.lora_id is not None:  # two adapters (or two loads of one id) never share KV
             self.cache_salt = hashlib.sha256(
-                self.cache_salt + f"lora:{self.lora_id}".encode()
+                self.cache_salt + f"lora:{self.lora_id}:{self.lora_generation}".encode()
             ).digest()
 
     def append_output_token(self, token_id: int) -> None:

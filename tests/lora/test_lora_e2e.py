@@ -194,6 +194,35 @@ def test_add_remove_list_loras_and_disabled_engine(setup, checkpoint_dir):
         LoRARequest("zero", 0, loras[0].lora_path)
 
 
+def test_a_different_adapter_under_a_reused_id_never_reads_the_old_ones_cached_kv(setup):
+    """Remove adapter id 1 and add another adapter under id 1: the same prompt must not hit the
+    prefix-cache blocks the first adapter computed (the cache salt carries the load
+    generation, not just the id)."""
+    base, loras = setup
+    llm = LLM(
+        model=base,
+        compile=False,
+        dtype="float32",
+        kv_cache_gib=0.01,
+        block_size=4,
+        enable_lora=True,
+        max_lora_rank=16,
+    )
+    prompt = make_prompts(1, seed=11, low=24, high=25)[0]
+    first = LoRARequest("first", 1, loras[0].lora_path)
+    second = LoRARequest("second", 1, loras[1].lora_path)
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY, lora_request=first, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == peft_greedy(base, loras[0], prompt)
+    assert llm.remove_lora(1)
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY, lora_request=second, use_tqdm=False)
+    assert out[0].num_cached_tokens == 0
+    assert out[0].outputs[0].token_ids == peft_greedy(base, loras[1], prompt)
+    # The same adapter again still hits its own blocks.
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY, lora_request=second, use_tqdm=False)
+    assert out[0].num_cached_tokens > 0
+    assert out[0].outputs[0].token_ids == peft_greedy(base, loras[1], prompt)
+
+
 _CHILD_BF16 = """
 import json, sys
 from ember import LLM, LoRARequest, SamplingParams
