@@ -75,22 +75,19 @@ def _mixed_batch(loras, num: int = 8):
     return prompts, chosen
 
 
+def _eager_lora_llm(base: str, **kw) -> LLM:
+    """An uncompiled fp32 engine with rank-16 adapter slots and 4-token blocks (prefix hits on
+    short prompts)."""
+    args = dict(compile=False, dtype="float32", kv_cache_gib=0.01, block_size=4)
+    return LLM(model=base, enable_lora=True, max_lora_rank=16, **(args | kw))
+
+
 def test_mixed_adapters_and_base_match_peft(setup):
     base, loras = setup
     prompts, chosen = _mixed_batch(loras)
     want = [peft_greedy(base, lora, p) for lora, p in zip(chosen, prompts, strict=True)]
     assert len({tuple(w) for w in want}) == len(want)
-    llm = LLM(
-        model=base,
-        compile=False,
-        dtype="float32",
-        kv_cache_gib=0.01,
-        block_size=4,
-        max_num_batched_tokens=16,
-        enable_lora=True,
-        max_loras=2,
-        max_lora_rank=16,
-    )
+    llm = _eager_lora_llm(base, max_num_batched_tokens=16, max_loras=2)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=chosen, use_tqdm=False
     )
@@ -199,15 +196,7 @@ def test_a_different_adapter_under_a_reused_id_never_reads_the_old_ones_cached_k
     prefix-cache blocks the first adapter computed (the cache salt carries the load
     generation, not just the id)."""
     base, loras = setup
-    llm = LLM(
-        model=base,
-        compile=False,
-        dtype="float32",
-        kv_cache_gib=0.01,
-        block_size=4,
-        enable_lora=True,
-        max_lora_rank=16,
-    )
+    llm = _eager_lora_llm(base)
     prompt = make_prompts(1, seed=11, low=24, high=25)[0]
     first = LoRARequest("first", 1, loras[0].lora_path)
     second = LoRARequest("second", 1, loras[1].lora_path)
