@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 # The projections ember wraps; an adapter may target any subset of them.
@@ -46,9 +47,25 @@ def load_adapter(
 ) -> LoRAWeights:
     """Read and validate `request`'s adapter. `shapes`: wrapped module name -> (in, out).
 
-    Raises AdapterError naming the adapter and the mismatch (missing files, unsupported PEFT
-    options, rank above `max_rank`, target modules or shapes that do not fit the base model).
+    Raises AdapterError (a ValueError) naming the adapter and the mismatch (missing files,
+    unsupported PEFT options, rank above `max_rank`, target modules or shapes that do not fit
+    the base model), and for files that cannot be read or parsed (truncated safetensors, bad
+    JSON, a config without a usable `r`), never another exception type.
     """
+    try:
+        return _load_adapter(request, shapes, max_rank)
+    except AdapterError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+        raise AdapterError(
+            f"LoRA {request.lora_name!r}: cannot read the adapter at {request.lora_path!r}: "
+            f"{type(e).__name__}: {e}"
+        ) from e
+
+
+def _load_adapter(
+    request: LoRARequest, shapes: dict[str, tuple[int, int]], max_rank: int
+) -> LoRAWeights:
     path, name = request.lora_path, request.lora_name
     cfg_path = os.path.join(path, "adapter_config.json")
     weights_path = os.path.join(path, "adapter_model.safetensors")
@@ -76,7 +93,9 @@ def load_adapter(
                 f"LoRA {name!r}: target module {target!r} is not one ember can adapt "
                 f"(supported: {', '.join(TARGET_MODULES)})"
             )
-    rank = int(cfg["r"])
+    rank = cfg.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise AdapterError(f"LoRA {name!r}: r must be a positive integer, got {rank!r}")
     if rank > max_rank:
         raise AdapterError(f"LoRA {name!r}: rank {rank} exceeds max_lora_rank={max_rank}")
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):

@@ -4,6 +4,8 @@ zero recompiles, and adapters that do not fit failing their own request only."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -171,6 +173,56 @@ def test_bad_adapters_fail_their_request_only(setup, tmp_path):
     assert outs[1].error is not None and "max_lora_rank" in outs[1].error
     assert outs[0].outputs[0].token_ids == peft_greedy(base, loras[0], [5, 6, 7, 8])
     assert outs[2].outputs[0].token_ids == peft_greedy(base, None, [5, 6, 7, 8])
+    assert llm.llm_engine.num_free_blocks() == llm.llm_engine.block_manager.num_usable_blocks
+
+
+def test_unreadable_adapters_are_value_errors_naming_the_adapter(setup, tmp_path):
+    """A truncated safetensors file, bad JSON, a missing or zero `r` raise AdapterError (a
+    ValueError naming the adapter), not SafetensorError / JSONDecodeError / KeyError /
+    ZeroDivisionError, and no request of the call is left queued."""
+    import json
+    import shutil
+
+    base, loras = setup
+    src = loras[0].lora_path
+
+    def broken(name: str, edit) -> LoRARequest:
+        d = str(tmp_path / name)
+        shutil.copytree(src, d)
+        edit(d)
+        return LoRARequest(name, 20 + len(name), d)
+
+    def truncate(d: str) -> None:
+        w = f"{d}/adapter_model.safetensors"
+        with open(w, "r+b") as f:
+            f.truncate(os.path.getsize(w) // 2)
+
+    def set_config(**changes):
+        def edit(d: str) -> None:
+            with open(f"{d}/adapter_config.json") as f:
+                cfg = json.load(f)
+            cfg.update(changes)
+            cfg.pop("r") if changes.get("r") == "drop" else None
+            with open(f"{d}/adapter_config.json", "w") as f:
+                json.dump(cfg, f)
+
+        return edit
+
+    def bad_json(d: str) -> None:
+        with open(f"{d}/adapter_config.json", "w") as f:
+            f.write("{not json")
+
+    llm = _eager_lora_llm(base)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    for lora in (
+        broken("trunc", truncate),
+        broken("badjson", bad_json),
+        broken("no_r", set_config(r="drop")),
+        broken("zero_r", set_config(r=0)),
+    ):
+        with pytest.raises(ValueError, match=repr(lora.lora_name)):
+            llm.generate([prompt, prompt], GREEDY, lora_request=[None, lora], use_tqdm=False)
+        assert not llm.llm_engine.has_unfinished_requests()
     assert llm.llm_engine.num_free_blocks() == llm.llm_engine.block_manager.num_usable_blocks
 
 
