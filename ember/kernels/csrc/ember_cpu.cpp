@@ -169,22 +169,18 @@ inline float to_float(float v) { return v; }
 inline float to_float(int8_t v) { return static_cast<float>(v); }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 
-// Rows n0..n0+rows-1 of the weight, widened to fp32 (and scaled, when `scales`), into
-// dst [rows, K].
+// Rows n0..n0+rows-1 of the weight, widened to fp32, into dst [rows, K].
 template <typename W>
-inline void widen_rows(const W* w, const float* scales, float* dst, int64_t n0, int64_t rows,
-                       int64_t K) {
+inline void widen_rows(const W* w, float* dst, int64_t n0, int64_t rows, int64_t K) {
   for (int64_t r = 0; r < rows; ++r) {
     const W* wr = w + (n0 + r) * K;
     float* d = dst + r * K;
-    const float sc = scales ? scales[n0 + r] : 1.f;
     int64_t k = 0;
 #ifdef EMBER_SIMD
     // Explicit vectors: the scalar bf16 conversion did not vectorize (0.8 cycles/element).
-    const vfloat scv = vset1(sc);
-    for (; k + kLanes <= K; k += kLanes) vstore(d + k, vmul(vwiden(wr + k), scv));
+    for (; k + kLanes <= K; k += kLanes) vstore(d + k, vwiden(wr + k));
 #endif
-    for (; k < K; ++k) d[k] = to_float(wr[k]) * sc;
+    for (; k < K; ++k) d[k] = to_float(wr[k]);
   }
 }
 
@@ -193,7 +189,7 @@ inline void widen_rows(const W* w, const float* scales, float* dst, int64_t n0, 
 // accumulators and C concurrent row streams keep enough loads in flight to approach memory
 // bandwidth (one row at a time reached about half of it).
 template <int R, int C, typename W>
-inline void gemv_block(const float* x, const W* w, const float* scales, const float* bias,
+inline void gemv_block(const float* x, const W* w, const float* bias,
                        float* y, int64_t K, int64_t N, int64_t m0, int64_t n) {
   const float* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * K;
@@ -205,17 +201,15 @@ inline void gemv_block(const float* x, const W* w, const float* scales, const fl
   vfloat va[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) va[r][c] = vzero();
-  // Whole cache lines first, each prefetched once: the rows of the block kAhead blocks on,
-  // page-sized jumps the hardware prefetcher does not follow (measured on 85 llama-160m
-  // projections at batch 1: 8.2 -> 3.1-4.7 ms). Two blocks ahead for int8 rows (half the bytes
-  // of bf16 ones): 8*K bytes ahead either way. One prefetch per line, not per vector, and int8
-  // two blocks ahead: a pass over the 85 projections 2.44 -> 2.26 ms (int8), 5.37 -> 5.24 ms
-  // (bf16), AVX-512; 2.99 -> 2.61 and 5.51 -> 5.47 ms AVX2 (medians of 60 interleaved passes).
-  constexpr int64_t kAhead = sizeof(W) == 1 ? 2 : 1;
+  // Whole cache lines first, each prefetched once: the rows of the next block, page-sized
+  // jumps the hardware prefetcher does not follow (measured on 85 llama-160m projections at
+  // batch 1: 8.2 -> 3.1-4.7 ms). One prefetch per line, not per vector: a pass over the 85
+  // projections 5.37 -> 5.24 ms (bf16, AVX-512), 5.51 -> 5.47 ms AVX2 (medians of 60
+  // interleaved passes).
   constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line, a multiple of kLanes
   for (; k + kLine <= K; k += kLine) {
     for (int c = 0; c < C; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr[c] + k + kAhead * C * K), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wr[c] + k + C * K), _MM_HINT_T0);
       for (int64_t u = 0; u < kLine; u += kLanes) {
         const vfloat wv = vwiden(wr[c] + k + u);
         for (int r = 0; r < R; ++r) va[r][c] = vfma(vload(xr[r] + k + u), wv, va[r][c]);
@@ -242,39 +236,38 @@ inline void gemv_block(const float* x, const W* w, const float* scales, const fl
   }
   for (int c = 0; c < C; ++c) {
     const float b = bias ? bias[n + c] : 0.f;
-    const float sc = scales ? scales[n + c] : 1.f;
-    for (int r = 0; r < R; ++r) y[(m0 + r) * N + n + c] = acc[r][c] * sc + b;
+    for (int r = 0; r < R; ++r) y[(m0 + r) * N + n + c] = acc[r][c] + b;
   }
 }
 
 template <int R, typename W>
-inline void gemv_rows(const float* x, const W* w, const float* scales, const float* bias,
+inline void gemv_rows(const float* x, const W* w, const float* bias,
                       float* y, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
   constexpr int C = R <= 2 ? 4 : 2;  // R*C accumulators fit the vector registers (AVX2: 16)
   int64_t n = n0;
-  for (; n + C <= n1; n += C) gemv_block<R, C>(x, w, scales, bias, y, K, N, m0, n);
-  for (; n < n1; ++n) gemv_block<R, 1>(x, w, scales, bias, y, K, N, m0, n);
+  for (; n + C <= n1; n += C) gemv_block<R, C>(x, w, bias, y, K, N, m0, n);
+  for (; n < n1; ++n) gemv_block<R, 1>(x, w, bias, y, K, N, m0, n);
 }
 
-// y [M, N] = x [M, K] @ w^T (* scales) (+ bias), all fp32 but w; each thread owns a range of
-// output channels.
+// y [M, N] = x [M, K] @ w^T (+ bias), all fp32 but w; each thread owns a range of output
+// channels.
 template <typename W>
-void gemv(const float* xp, const W* wp, const float* sp, const float* bp, float* yp, int64_t M,
+void gemv(const float* xp, const W* wp, const float* bp, float* yp, int64_t M,
           int64_t N, int64_t K) {
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) gemv_rows<4>(xp, wp, sp, bp, yp, K, N, m, n0, n1);
+    for (; m + 4 <= M; m += 4) gemv_rows<4>(xp, wp, bp, yp, K, N, m, n0, n1);
     switch (M - m) {  // the rest in one more pass
-      case 3: gemv_rows<3>(xp, wp, sp, bp, yp, K, N, m, n0, n1); break;
-      case 2: gemv_rows<2>(xp, wp, sp, bp, yp, K, N, m, n0, n1); break;
-      case 1: gemv_rows<1>(xp, wp, sp, bp, yp, K, N, m, n0, n1); break;
+      case 3: gemv_rows<3>(xp, wp, bp, yp, K, N, m, n0, n1); break;
+      case 2: gemv_rows<2>(xp, wp, bp, yp, K, N, m, n0, n1); break;
+      case 1: gemv_rows<1>(xp, wp, bp, yp, K, N, m, n0, n1); break;
       default: break;
     }
   });
 }
 
-// y [M, N] = x [M, K] @ w^T (* scales) (+ bias) for fp32 x and a narrow weight (int8 or
-// bf16), fp32 math: the weight is widened to fp32 on the fly, never into a full copy per call.
+// y [M, N] = x [M, K] @ w^T (+ bias) for fp32 x and a bf16 weight in [N, K] (a tied LM head;
+// every other fp32-activation linear is packed), fp32 math: the weight is widened to fp32 on the fly, never into a full copy per call.
 // - M <= kGemvMaxRows (decodes, batched decodes): the fused GEMV, widening in registers.
 // - Larger steps (prefill chunks) with a weight of at most kWidenMaxElems: the weight is
 //   widened once into a reused fp32 buffer (a fresh multi-MB tensor per call would be
@@ -283,13 +276,13 @@ void gemv(const float* xp, const W* wp, const float* sp, const float* bp, float*
 // - Larger weights: each thread widens kTileRows weight rows into an L2-sized fp32 tile and
 //   runs one GEMM on it.
 template <typename W>
-at::Tensor widening_linear(const at::Tensor& x, const W* wp, const float* sp, const float* bp,
+at::Tensor widening_linear(const at::Tensor& x, const W* wp, const float* bp,
                            int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
   const float* xp = x.data_ptr<float>();
   if (M <= kGemvMaxRows) {
     at::Tensor y = at::empty({M, N}, x.options());
-    gemv(xp, wp, sp, bp, y.data_ptr<float>(), M, N, K);
+    gemv(xp, wp, bp, y.data_ptr<float>(), M, N, K);
     return y;
   }
   const auto bias_of = [&]() { return at::from_blob(const_cast<float*>(bp), {N}, x.options()); };
@@ -300,7 +293,7 @@ at::Tensor widening_linear(const at::Tensor& x, const W* wp, const float* sp, co
     }
     float* dp = widened.data_ptr<float>();
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      widen_rows(wp, sp, dp + n0 * K, n0, n1 - n0, K);
+      widen_rows(wp, dp + n0 * K, n0, n1 - n0, K);
     });
     const at::Tensor wt = widened.narrow(0, 0, N * K).view({N, K}).t();
     return bp ? at::addmm(bias_of(), x, wt) : at::mm(x, wt);
@@ -315,7 +308,7 @@ at::Tensor widening_linear(const at::Tensor& x, const W* wp, const float* sp, co
     float* tp = tile.data_ptr<float>();
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
-      widen_rows(wp, sp, tp, n0, rows, K);
+      widen_rows(wp, tp, n0, rows, K);
       const at::Tensor part = at::mm(tile.narrow(0, 0, rows), x.t()).contiguous();  // [rows, M]
       const float* pp = part.data_ptr<float>();
       for (int64_t r = 0; r < rows; ++r) {
@@ -365,7 +358,7 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& w,
     for (int64_t i = 0; i < M * K; ++i) xs[i] = static_cast<float>(xb[i]);
     at::Tensor b;
     const float* bp = bias_ptr(bias, b);
-    gemv(xs.data(), w.data_ptr<c10::BFloat16>(), nullptr, bp, ys.data(), M, N, K);
+    gemv(xs.data(), w.data_ptr<c10::BFloat16>(), bp, ys.data(), M, N, K);
     auto out_shape = x_in.sizes().vec();
     out_shape.back() = N;
     at::Tensor y = at::empty(out_shape, x_in.options());
@@ -376,7 +369,7 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& w,
   auto [x, out_shape] = as_matrix(x_in, K, N, "bf16_linear");
   at::Tensor b;
   const float* bp = bias_ptr(bias, b);
-  const at::Tensor y = widening_linear(x, w.data_ptr<c10::BFloat16>(), nullptr, bp, N);
+  const at::Tensor y = widening_linear(x, w.data_ptr<c10::BFloat16>(), bp, N);
   return y.to(x_in.scalar_type()).view(out_shape);
 }
 
@@ -396,7 +389,7 @@ at::Tensor fp32_linear(const at::Tensor& x_in, const at::Tensor& w,
   at::Tensor b;
   const float* bp = bias_ptr(bias, b);
   at::Tensor y = at::empty({M, N}, x.options());
-  gemv(x.data_ptr<float>(), w.data_ptr<float>(), nullptr, bp, y.data_ptr<float>(), M, N, K);
+  gemv(x.data_ptr<float>(), w.data_ptr<float>(), bp, y.data_ptr<float>(), M, N, K);
   return y.view(out_shape);
 }
 
