@@ -183,8 +183,10 @@ class TokenLogprobs:
 @dataclass(frozen=True)
 class RunnerOutput:
     """Per request of the step: the sampled token (and optional logprobs) of each request that
-    sampled, the pooled embedding of each embedding request."""
+    sampled, the pooled embedding of each embedding request, and the error of each request
+    that failed on its own (its logits row held NaN or inf): it gets no token and finishes."""
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)

@@ -5,9 +5,12 @@ A block whose ref count drops to zero stays in the prefix cache (if it was full 
 until the allocator evicts it, least recently freed first.
 
 Safety rule: a block is registered in the prefix cache when it is scheduled to be filled, not
-after the step ran. This is sound because `ember::paged_attention` writes every token's K/V of a
-step before any sequence of that step reads the cache, so a request that hits a block filled by
-another request in the same step reads the right values.
+after the step ran, so requests admitted in one step share blocks. This is sound because
+`ember::paged_attention` writes every token's K/V of a step before any sequence of that step
+reads the cache, so a request that hits a block filled by another request in the same step reads
+the right values. Until that step has run, such a block is *pending*: `commit` (the step ran)
+makes the pending blocks ordinary cache entries, `drop_pending` (the step failed, so their K/V
+were never or only partly written) removes them from the prefix cache.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class BlockManager:
         self._req_blocks: dict[str, list[int]] = {}
         self._req_hashes: dict[str, list[bytes]] = {}
         self._req_num_hashed: dict[str, int] = {}
+        self._pending: list[int] = []  # blocks registered since the last `commit`
 
     @property
     def num_usable_blocks(self) -> int:
@@ -137,7 +141,23 @@ class BlockManager:
             if self._block_hash[block] is None and h not in self._cached:
                 self._block_hash[block] = h
                 self._cached[h] = block
+                self._pending.append(block)
         self._req_num_hashed[request_id] = num_full
+
+    def commit(self) -> None:
+        """The step that fills the pending blocks has run: their K/V are valid cache entries."""
+        self._pending.clear()
+
+    def drop_pending(self) -> None:
+        """The step that was to fill the pending blocks failed: forget their hashes, so no later
+        prompt hits K/V that were never written. (Their owners must recompute them: the
+        scheduler's `rollback` frees them.)"""
+        for b in self._pending:
+            h = self._block_hash[b]
+            if h is not None:
+                del self._cached[h]
+                self._block_hash[b] = None
+        self._pending.clear()
 
     def free(self, request_id: str, keep_hashes: bool = False) -> None:
         """Release the request's blocks (tail first, so tails are evicted first).

@@ -7,11 +7,13 @@ outputs of the requests that changed are built from their state.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -58,8 +60,35 @@ def _child_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _one_thread(
+    method: Callable[Concatenate[LLMEngine, _P], _R],
+) -> Callable[Concatenate[LLMEngine, _P], _R]:
+    """Raise RuntimeError when a second thread enters the engine while one is inside (the
+    same thread may nest: `embed` steps the engine)."""
+
+    @functools.wraps(method)
+    def guarded(self: LLMEngine, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if not self._entered.acquire(blocking=False):
+            raise RuntimeError(
+                f"LLMEngine.{method.__name__} was called from a second thread while another "
+                "thread is using this engine; LLMEngine is not thread-safe (LLM serialises "
+                "calls from several threads)"
+            )
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._entered.release()
+
+    return guarded
+
+
 class LLMEngine:
-    """Continuous-batching engine over one model. Not thread-safe."""
+    """Continuous-batching engine over one model. Not thread-safe: a call from a second
+    thread while another is inside raises RuntimeError (never silent mixing)."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> None:
         self.config = config
@@ -92,6 +121,7 @@ class LLMEngine:
         self._parents: dict[str, _ParentState] = {}
         self._child_to_parent: dict[str, str] = {}
         self._closed = False
+        self._entered = threading.RLock()  # held by the thread inside the engine (_one_thread)
         # Outputs of other requests produced while `embed` ran the loop: the next step's.
         self._held: list[Any] = []
 
@@ -195,6 +225,7 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs={self.config.max_logprobs}")
 
+    @_one_thread
     def add_request(
         self,
         request_id: str,
@@ -262,6 +293,7 @@ class LLMEngine:
             self._child_to_parent[child.request_id] = parent.request_id
         self._parents[parent.request_id] = parent
 
+    @_one_thread
     def abort_request(self, request_id: str) -> None:
         parent = self._parents.pop(request_id, None)
         if parent is None:
@@ -270,10 +302,23 @@ class LLMEngine:
             self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
             self._child_to_parent.pop(child.request_id, None)
 
+    @_one_thread
+    def fail_request(self, request_id: str, error: str) -> RequestOutput | None:
+        """Finish a request's unfinished sequences with `error` (finish_reason "error"), freeing
+        their blocks; returns its final output (tokens so far, `error` set), or None if the
+        request is unknown or already forgotten."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children:
+            self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ERROR, error)
+        return self._parent_output(request_id)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents or self._held)
 
     # ---- the loop -----------------------------------------------------------------------------
+    @_one_thread
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return outputs of requests that got tokens or finished (as
         each request's `SamplingParams.output_kind` asks)."""
@@ -283,7 +328,13 @@ class LLMEngine:
             if self.scheduler.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests waiting")
             return held
-        result = self.runner.execute(plan)
+        try:
+            result = self.runner.execute(plan)
+        except BaseException:
+            # Nothing of this step is kept: its requests recompute on a later step, and blocks
+            # it was to fill leave the prefix cache. The engine stays usable.
+            self.scheduler.rollback(plan)
+            raise
         updated, _ = self.scheduler.update(plan, result)
         touched = dict.fromkeys(self._child_to_parent[r.request_id] for r in updated)
         return held + [out for pid in touched if (out := self._parent_output(pid)) is not None]
@@ -307,6 +358,12 @@ class LLMEngine:
             start, text_start = parent.sent[i] if kind == RequestOutputKind.DELTA else (0, 0)
             completions.append(_completion(i, child, start, text_start))
             parent.sent[i] = (len(child.output_token_ids), len(child.text))
+        errors = [(i, c.error) for i, c in enumerate(parent.children) if c.error]
+        error = None
+        if errors:  # a failed sequence of n > 1 is named by its index
+            error = "; ".join(
+                e if len(parent.children) == 1 else f"sequence {i}: {e}" for i, e in errors
+            )
         return RequestOutput(
             parent.request_id,
             parent.prompt,
@@ -314,12 +371,14 @@ class LLMEngine:
             completions,
             finished,
             max(parent.children[0].num_cached_tokens, 0),
+            error=error,
         )
 
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 
     # ---- embeddings -------------------------------------------------------------------------
+    @_one_thread
     def add_embed_request(self, request_id: str, prompt: PromptType, index: int = 0) -> None:
         """Queue an embedding request: its whole prompt runs in one step (no chunking: encoder
         attention is bidirectional) and is pooled. Raises ValueError naming prompt `index` and
@@ -347,6 +406,7 @@ class LLMEngine:
         request = Request(request_id, ids, params, None, 1, torch.Generator(), pool=True)
         return _ParentState(request_id, text, ids, params, [request])
 
+    @_one_thread
     def embed(
         self, request_ids: Sequence[str], prompts: Sequence[PromptType]
     ) -> list[EmbeddingRequestOutput]:
@@ -384,6 +444,7 @@ class LLMEngine:
             raise
         return [outputs[rid] for rid in request_ids]
 
+    @_one_thread
     def close(self) -> None:
         """Abort all requests and drop the KV cache, the compiled graphs and the model; adding
         requests or stepping afterwards raises RuntimeError."""

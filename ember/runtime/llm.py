@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -16,16 +18,31 @@ from ember.runtime.outputs import EmbeddingRequestOutput, RequestOutput
 from ember.runtime.request import RequestOutputKind, SamplingParams
 
 
+def _serialised(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Calls from several threads run one after another (each gets its own outputs)."""
+
+    @functools.wraps(method)
+    def locked(self: LLM, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class LLM:
     """Offline generation over a local HF checkpoint directory.
 
     >>> llm = LLM(model="ckpt_dir", dtype="float32", kv_cache_gib=2)
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0.0))
+
+    Thread-safe: `generate`/`embed` calls from several threads are serialised (each call's
+    requests run together; another thread's call waits for it).
     """
 
     def __init__(self, model: str, use_tqdm: bool = True, **kwargs: Any) -> None:
         """`kwargs` are the fields of `ember.runtime.config.EngineArgs` (the engine knobs);
         `compile=True` (default) compiles every shape bucket here, before the first request."""
+        self._lock = threading.Lock()
         self.config = EngineArgs(model=model, **kwargs).create_engine_config()
         self.llm_engine = LLMEngine.from_config(self.config, show_progress=use_tqdm)
         self._counter = 0
@@ -33,6 +50,7 @@ class LLM:
     def get_tokenizer(self):  # noqa: ANN201
         return self.llm_engine.tokenizer
 
+    @_serialised
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -46,7 +64,12 @@ class LLM:
         `prompts`: a string, a token-id dict (`{"prompt_token_ids": [...]}`) or a list of them.
         `sampling_params`: one for all prompts, or one per prompt.
         `raise_on_error`: if False, a request rejected for bad input comes back as a finished
-        `RequestOutput` with `error` set and no completions, and the others still run.
+        `RequestOutput` with `error` set and no completions, and the others still run; and if a
+        step fails as a whole (an exception in the model), the call returns what finished and
+        every unfinished request with `error` set (tokens so far, finish_reason "error")
+        instead of raising. Either way the engine stays usable, with no blocks held.
+        A request that fails on its own (NaN/inf in its logits, e.g. from its adapter) always
+        finishes alone with `error` set; the others go on.
         `lora_request`: one adapter for all prompts, or one per prompt (None: the base model);
         needs `LLM(..., enable_lora=True)`. An adapter that does not fit the base model fails
         its own request only.
@@ -93,8 +116,9 @@ class LLM:
             for request_id in ids:
                 self.llm_engine.abort_request(request_id)
             raise
-        return self._run(ids, use_tqdm, rejected)
+        return self._run(ids, use_tqdm, rejected, raise_on_error)
 
+    @_serialised
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load and validate an adapter ahead of its requests (ValueError if it does not fit)."""
         if self.llm_engine.lora is None:
@@ -102,6 +126,7 @@ class LLM:
         self.llm_engine.lora.add(lora_request)
         return True
 
+    @_serialised
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter (its slot is cleared); False if it was not known. Requests still
         running with it must finish first."""
@@ -116,6 +141,7 @@ class LLM:
         lora = self.llm_engine.lora
         return lora.requests() if lora is not None else []
 
+    @_serialised
     def embed(
         self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True
     ) -> list[EmbeddingRequestOutput]:
@@ -140,7 +166,11 @@ class LLM:
         return outs
 
     def _run(
-        self, ids: list[str], use_tqdm: bool, finished: dict[str, RequestOutput]
+        self,
+        ids: list[str],
+        use_tqdm: bool,
+        finished: dict[str, RequestOutput],
+        raise_on_error: bool = True,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         bar = tqdm(
@@ -156,7 +186,19 @@ class LLM:
                         bar.update(1)
                         rate = num_out / max(time.perf_counter() - start, 1e-9)
                         bar.set_postfix_str(f"out {rate:.1f} tok/s")
-        except BaseException:
+        except Exception as e:  # the step was rolled back: the engine is consistent
+            if raise_on_error:
+                for request_id in ids:
+                    engine.abort_request(request_id)
+                raise
+            error = f"a step of the engine failed: {type(e).__name__}: {e}"
+            for request_id in ids:
+                if (
+                    request_id not in finished
+                    and (failed := engine.fail_request(request_id, error)) is not None
+                ):
+                    finished[request_id] = failed
+        except BaseException:  # KeyboardInterrupt and the like
             for request_id in ids:
                 engine.abort_request(request_id)
             raise
@@ -164,6 +206,7 @@ class LLM:
             bar.close()
         return [finished[i] for i in ids]
 
+    @_serialised
     def close(self) -> None:
         """Abort everything and release the KV cache and the model; the LLM is unusable after
         (its methods raise RuntimeError)."""

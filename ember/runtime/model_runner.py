@@ -29,7 +29,7 @@ from ember.runtime.batch import (
 from ember.runtime.buckets import graph_sizes, padded_num_seqs, padded_num_tokens
 from ember.runtime.config import EngineConfig
 from ember.runtime.pooling import PoolingConfig, pool
-from ember.runtime.sampler import sample
+from ember.runtime.sampler import non_finite_rows, sample
 
 
 class ModelRunner:
@@ -119,10 +119,23 @@ class ModelRunner:
         rows = [i for i, r in enumerate(generate.requests) if r.sample]
         if not rows:
             return RunnerOutput({}, {}, pooled)
+        logits = logits[rows]
+        # A request whose logits row is NaN/inf fails alone; the others sample as usual.
+        errors: dict[str, str] = {}
+        bad = set(non_finite_rows(logits))
+        for i in bad:
+            r = generate.requests[rows[i]]
+            errors[r.request_id] = (
+                f"the model's logits for request {r.request_id!r} contain NaN or inf at output "
+                f"token {len(r.output_token_ids)} (adapter: {r.lora_id}); no token was sampled"
+            )
+        if bad:
+            good = [i for i in range(len(rows)) if i not in bad]
+            rows, logits = [rows[i] for i in good], logits[good]
         sampling = [generate.requests[i] for i in rows]
-        tokens, logprobs = sample(logits[rows], sampling)
+        tokens, logprobs = sample(logits, sampling) if sampling else ([], {})
         sampled = {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
-        return RunnerOutput(sampled, logprobs, pooled)
+        return RunnerOutput(sampled, logprobs, pooled, errors)
 
     def _forward(
         self, plan: StepPlan, forward: Forward, max_blocks: int, cross: bool = True

@@ -112,10 +112,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
 
     @property
     def finish_reason(self) -> str | None:
-        """vLLM's `finish_reason`: "stop", "length" or "abort"; None while unfinished."""
+        """vLLM's `finish_reason`: "stop", "length", "abort" or "error" (the request failed on
+        its own: `RequestOutput.error` says why); None while unfinished."""
         return self.value if self.finished else None
 
     @property
@@ -124,6 +126,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 
@@ -160,6 +163,7 @@ class Request:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     embedding: list[float] | None = None
+    error: str | None = None
     all_token_ids: list[int] = field(init=False)
     cache_salt: bytes = field(init=False)
 

@@ -68,6 +68,13 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def non_finite_rows(logits: torch.Tensor) -> list[int]:
+    """Rows of `logits [num_seqs, vocab]` that hold a NaN or +inf, or no finite value at all:
+    nothing can be sampled from them. (-inf entries are masked tokens, which are fine.)"""
+    top = logits.amax(dim=-1)  # NaN propagates through amax
+    return (~torch.isfinite(top)).nonzero().flatten().tolist()
+
+
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """Sample one index from `probs [vocab]` with the exponential-race trick."""
     noise = torch.empty_like(probs).exponential_(generator=generator)

@@ -10,8 +10,10 @@ Embedding requests (`Request.pool`) run whole in one step (bidirectional attenti
 chunked) and finish in it. The encoder inputs of encoder-decoder requests admitted in one step
 share one encoder pass of at most `max_num_batched_tokens` tokens (a longer one runs alone).
 
-`update` is the only place that decides a request has finished: EOS, stop ids, length, and
-stop strings, found by the request's incremental detokenizer.
+`update` is the only place that decides a request has finished: EOS, stop ids, length, stop
+strings (found by the request's incremental detokenizer), or an error of its own (NaN/inf
+logits). A step that fails as a whole is undone by `rollback` instead: its requests go back to
+waiting and recompute, and the blocks it was to fill leave the prefix cache.
 """
 
 from __future__ import annotations
@@ -66,11 +68,16 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """End a request (an abort, or a stop condition in `update`); frees its blocks."""
+    def finish_request(
+        self, request_id: str, status: RequestStatus, error: str | None = None
+    ) -> Request | None:
+        """End a request (an abort, a failure with `error`, or a stop condition in `update`);
+        frees its blocks."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if error is not None:
+            request.error = error
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -137,14 +144,30 @@ class Scheduler:
             if victim is request:
                 return False
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, count: bool = True) -> None:
         self.running.remove(request)
         self._free_blocks(request, keep_hashes=True)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
+        if count:
+            request.num_preemptions += 1
+            self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def rollback(self, plan: StepPlan) -> None:
+        """Undo `plan`, whose step failed before `update` (an exception in the model, a
+        `MemoryError`, a `KeyboardInterrupt`): the K/V it was to write are missing or partial.
+
+        The blocks registered for it leave the prefix cache, and each of its requests goes back
+        to the front of the waiting queue (in plan order) without blocks, to recompute its
+        tokens when it is next admitted, as a preempted request does. Requests outside the plan
+        are untouched: their blocks were filled by steps that ran.
+        """
+        self.block_manager.drop_pending()
+        for item in reversed(plan.requests):
+            request = self.requests.get(item.request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self._preempt(request, count=False)
 
     def _lora_fits(self, request: Request, loras: set[int]) -> bool:
         return request.lora_id is None or request.lora_id in loras or len(loras) < self.max_loras
@@ -220,18 +243,23 @@ class Scheduler:
 
     def update(self, plan: StepPlan, output: RunnerOutput) -> tuple[list[Request], list[Request]]:
         """Advance computed counts, store embeddings, append sampled tokens (detokenized, with
-        logprobs), and finish requests on EOS, stop ids, stop strings or length.
+        logprobs), and finish requests on EOS, stop ids, stop strings, length, or their own
+        error (`output.errors`). Also commits the step's pending prefix-cache blocks.
 
         Returns (requests that got a new token or an embedding, requests that finished).
         """
+        self.block_manager.commit()  # the step ran: its blocks hold their K/V
         updated: list[Request] = []
         finished: list[Request] = []
         for item in plan.requests:
             request = self.requests[item.request_id]
             request.num_computed_tokens += item.num_new_tokens
-            if item.pool:
+            error = output.errors.get(item.request_id)
+            if error is not None:
+                status: RequestStatus | None = RequestStatus.FINISHED_ERROR
+            elif item.pool:
                 request.embedding = output.pooled[item.request_id]
-                status: RequestStatus | None = RequestStatus.FINISHED_STOPPED
+                status = RequestStatus.FINISHED_STOPPED
             else:
                 token = output.sampled.get(item.request_id)
                 if token is None:
@@ -249,7 +277,7 @@ class Scheduler:
                     request.text = request.detokenizer.text
             updated.append(request)
             if status is not None:
-                self.finish_request(request.request_id, status)
+                self.finish_request(request.request_id, status, error)
                 finished.append(request)
         return updated, finished
 

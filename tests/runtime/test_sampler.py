@@ -153,3 +153,20 @@ def test_sampler_distribution_follows_temperature():
 def test_sampling_params_invalid_values_raise(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_non_finite_rows_finds_nan_and_inf_but_allows_masked_tokens():
+    from ember.runtime.sampler import non_finite_rows
+
+    inf = float("inf")
+    logits = torch.tensor(
+        [
+            [1.0, 2.0, 3.0],
+            [1.0, float("nan"), 3.0],
+            [1.0, inf, 0.0],
+            [-inf, -inf, -inf],
+            [-inf, 2.0, -inf],
+        ]
+    )
+    assert non_finite_rows(logits) == [1, 2, 3]
+    assert non_finite_rows(logits.bfloat16()) == [1, 2, 3]

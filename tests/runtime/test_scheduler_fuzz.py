@@ -1,4 +1,9 @@
-"""Hypothesis state machine over Scheduler + BlockManager with a tiny cache. Pure Python."""
+"""Hypothesis state machine over Scheduler + BlockManager with a tiny cache. Pure Python.
+
+A shadow KV cache stands in for the model: each slot holds the token prefix whose K/V it
+contains. A step writes the slots of its tokens, then every scheduled request must read its
+whole prefix back from its block table (prefix-cache hits included). A failing step writes a
+random part of its slots, then is rolled back; later steps must never read what it left."""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ember.runtime.batch import RunnerOutput
+from ember.runtime.batch import RunnerOutput, StepPlan
 from ember.runtime.block_manager import BlockManager
 from ember.runtime.request import Request, RequestStatus, SamplingParams
 from ember.runtime.scheduler import Scheduler
@@ -27,6 +32,28 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         self.count = 0
         self.finished: list[Request] = []
+        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> prefix
+
+    def _write(self, plan: StepPlan, keep: list[bool] | None = None) -> None:
+        """Write the K/V of the plan's tokens (only the slots where `keep` is True)."""
+        i = 0
+        for r in plan.requests:
+            tokens = self.sched.requests[r.request_id].all_token_ids
+            for pos in range(r.num_computed_tokens, r.num_computed_tokens + r.num_new_tokens):
+                if keep is None or keep[i % len(keep)]:
+                    slot = (r.block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE)
+                    self.slots[slot] = tuple(tokens[: pos + 1])
+                i += 1
+
+    def _check_reads(self, plan: StepPlan) -> None:
+        """Every request of the step attends to exactly its own prefix."""
+        for r in plan.requests:
+            tokens = self.sched.requests[r.request_id].all_token_ids
+            for pos in range(r.num_computed_tokens + r.num_new_tokens):
+                slot = (r.block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE)
+                assert self.slots.get(slot) == tuple(tokens[: pos + 1]), (
+                    f"{r.request_id} reads stale K/V at position {pos}"
+                )
 
     @rule(
         length=st.integers(1, 12),
@@ -60,9 +87,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(set(ids)) == len(ids)
         for r in plan.requests:
             assert len(r.block_ids) * BLOCK_SIZE >= r.num_computed_tokens + r.num_new_tokens
+        self._write(plan)
+        self._check_reads(plan)
         sampled = {r.request_id: tokens[i] for i, r in enumerate(plan.requests) if r.sample}
         _, finished = self.sched.update(plan, RunnerOutput(sampled, {}))
         self.finished.extend(finished)
+
+    @rule(keep=st.lists(st.booleans(), min_size=1, max_size=6))
+    def failed_step(self, keep: list[bool]) -> None:
+        """The model raises part-way through a step: some slots were written, then rollback."""
+        plan = self.sched.schedule()
+        self._write(plan, keep)
+        self.sched.rollback(plan)
+        for r in plan.requests:
+            request = self.sched.requests[r.request_id]
+            assert request.status == RequestStatus.PREEMPTED and request.num_computed_tokens == 0
 
     @invariant()
     def pool_is_consistent(self) -> None:
