@@ -4,7 +4,14 @@ it (kernels, attention, compiler, runtime, tools)."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
 import os
+import stat
+import subprocess
+import tempfile
+
+logger = logging.getLogger("ember")
 
 # ISAs ember's own kernels can be built for: "native" (-march=native), or "avx2" (AVX2 + FMA,
 # no AVX-512), to take the AVX2 paths on an AVX-512 machine.
@@ -51,3 +58,80 @@ def user_cache_dir(*parts: str) -> str:
     compile caches and built kernels."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(root, "ember", *parts)
+
+
+def cpu_target(march: str = "-march=native") -> str:
+    """The exact code-generation target of `march` on this host, e.g. "znver3-1f0c9a2b": the
+    compiler's expansion of the flag (base architecture plus every -m feature it enables),
+    hashed. Two CPUs that differ in any feature -march=native turns on get different values,
+    so a cache shared between machines never loads code built for the other one."""
+    return _cpu_target(march)
+
+
+@functools.cache
+def _cpu_target(march: str) -> str:
+    try:
+        run = subprocess.run(
+            ["c++", march, "-x", "c++", "-E", "-v", "-"],
+            input="",
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        line = next(ln for ln in run.stderr.splitlines() if "cc1" in ln and "-march=" in ln)
+        flags = [f for f in line.split() if f.startswith("-m")]
+        base = next(f for f in flags if f.startswith("-march=")).split("=", 1)[1]
+    except (OSError, StopIteration, subprocess.SubprocessError):
+        # No compiler to ask (then nothing is built here either): the CPU's own feature list.
+        flags, base = sorted(_cpu_flags()), "cpu"
+    return f"{base}-{hashlib.sha256(' '.join(flags).encode()).hexdigest()[:8]}"
+
+
+def _unsafe_reason(path: str) -> str | None:
+    """Why code loaded from directory `path` could have been written by someone else, or None.
+
+    `path` must be owned by this user and writable by nobody else; each directory above it
+    must be owned by this user or root and, if others may write to it, sticky (as /tmp is),
+    so nobody else can swap `path` for their own directory."""
+    uid = os.getuid()
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"cannot stat it ({e})"
+    if st.st_uid != uid:
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    parent = os.path.dirname(os.path.abspath(path))
+    while True:
+        st = os.stat(parent)
+        if st.st_uid not in (uid, 0):
+            return f"its parent {parent} is owned by uid {st.st_uid}"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            return f"its parent {parent} is writable by others and not sticky"
+        up = os.path.dirname(parent)
+        if up == parent:
+            return None
+        parent = up
+
+
+def private_dir(path: str, what: str) -> str | None:
+    """Make `path` (missing directories are created 0700) for a cache of code that ember loads
+    (`what`: "compile cache", "kernel cache"). Returns `path` when it is safe to load from
+    (see `_unsafe_reason`); else logs one line with the reason and returns None: the caller
+    then compiles or builds afresh, outside that directory."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as e:
+        logger.warning("not using %s %s: cannot create it (%s)", what, path, e)
+        return None
+    reason = _unsafe_reason(path)
+    if reason is not None:
+        logger.warning("not using %s %s: %s; building afresh without it", what, path, reason)
+        return None
+    return path
+
+
+def fresh_private_dir(prefix: str) -> str:
+    """A new 0700 temporary directory (the fallback for a refused cache)."""
+    return tempfile.mkdtemp(prefix=prefix)

@@ -6,8 +6,10 @@ shape (`CompiledForward`: Dynamo's bytecode and the inductor graph, loaded witho
 kernels), and `<cache_dir>/<key>/key.json` holds the readable parts of the key, written once
 every graph is saved. The key covers everything the
 graphs depend on: model config, dtype, weight quantization, token-bucket ladder, block size,
-inductor settings, torch version, CPU ISA and ember's version. KV-cache size and max_model_len
-are dynamic graph dims, so they are not part of the key.
+inductor settings, torch version, CPU ISA, the exact -march=native target and ember's version.
+The engine uses a cache dir only if it is private (`ember.host.private_dir`: created 0700,
+owned by this user, writable by nobody else), since it loads pickled code from it. KV-cache
+size and max_model_len are dynamic graph dims, so they are not part of the key.
 
 Why a whole inductor cache dir rather than `torch.compiler.save_cache_artifacts()`: measured on
 the tiny Llama, loading the portable artefacts into a fresh process still took 32.5 s of a 40 s
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from ember.compiler.loader import LoadedModel
+from ember.host import cpu_target
 from ember.version import __version__
 
 logger = logging.getLogger("ember")
@@ -63,6 +66,8 @@ def key_parts(
         "quantization": loaded.quantization,
         "torch": torch.__version__,
         "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+        # inductor builds its C++ kernels with -march=native: the exact target, not the ISA
+        "cpu_target": cpu_target(),
         "kernels_isa": loaded.cpu_isa,
         "ember": __version__,
         "graphs": "aot_compile, no asserts",

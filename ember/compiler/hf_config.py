@@ -101,6 +101,28 @@ def read_model_spec(model_dir: str) -> ModelSpec:
     )
 
 
+# "safetensors": only safetensors weights load; "auto": safetensors, else PyTorch .bin files.
+LOAD_FORMATS = ("safetensors", "auto")
+
+
+def check_weights_format(model_dir: str, load_format: str) -> None:
+    """Refuse a checkpoint whose weights are only PyTorch pickles (`*.bin`) unless
+    `load_format="auto"` opts in: unpickling is code execution in the general case (transformers
+    reads them with torch.load(weights_only=True), a restricted unpickler)."""
+    if load_format != "safetensors" or not os.path.isdir(model_dir):
+        return
+    files = os.listdir(model_dir)
+    if any(f.endswith(".safetensors") for f in files):
+        return
+    pickles = sorted(f for f in files if f.endswith((".bin", ".pt", ".pth")) and "model" in f)
+    if pickles:
+        raise UnsupportedModelError(
+            f"checkpoint {model_dir!r} has only PyTorch pickle weights ({', '.join(pickles[:3])}),"
+            " no safetensors; convert it to safetensors, or pass load_format='auto' "
+            "(--load-format auto) to load the pickle"
+        )
+
+
 def load_hf_config(model_dir: str) -> PretrainedConfig:
     """Read `config.json` of a local checkpoint directory, offline."""
     if not os.path.isdir(model_dir):
@@ -114,7 +136,8 @@ def load_hf_config(model_dir: str) -> PretrainedConfig:
     except (ValueError, OSError) as e:
         raise UnsupportedModelError(f"config.json of {model_dir!r} is not valid JSON: {e}") from e
     try:
-        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        # Never the checkpoint's own code: ember runs transformers' model classes only.
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as e:
         arch = (raw.get("architectures") or [raw.get("model_type")])[0]
         raise UnsupportedModelError(

@@ -70,6 +70,7 @@ def load_model(
     weight_dtype: torch.dtype | None = None,
     kernel_linears: bool = True,
     cpu_isa: str = "native",
+    load_format: str = "safetensors",
 ) -> LoadedModel:
     """Load `spec`'s weights (safetensors, offline), eval mode, with every rewrite above: the
     causal LM, the encoder-decoder LM, or the encoder base model of an embedding model.
@@ -79,7 +80,9 @@ def load_model(
     ember's kernels (`cpu_isa` build), which widen them to fp32 as they go; the input embedding
     table stays in `weight_dtype` too (a lookup reads one row) and its output is widened.
     `kernel_linears`: route bf16/fp32 linears through ember's GEMV (off for frozen graphs,
-    whose linears inductor prepacks).
+    whose linears inductor prepacks). `load_format`: "safetensors" (only) or "auto" (PyTorch
+    .bin files when there are no safetensors); the checkpoint's own code never runs
+    (`trust_remote_code=False`).
     """
     weight_dtype = weight_dtype or dtype
     narrow = weight_dtype != dtype and quantization is None
@@ -92,7 +95,8 @@ def load_model(
             dtype=weight_dtype,
             attn_implementation=register_attention(backend),
             local_files_only=True,
-            use_safetensors=None,
+            use_safetensors=True if load_format == "safetensors" else None,
+            trust_remote_code=False,
         )
     except Exception as e:  # noqa: BLE001  (safetensors raises its own error types)
         raise UnsupportedModelError(f"cannot load weights of {spec.model_dir!r}: {e}") from e
@@ -145,7 +149,9 @@ def _widen_all_but_linear_weights(model: PreTrainedModel, dtype: torch.dtype) ->
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase | None:
     """The checkpoint's tokenizer, or None (logged) when it has none: token-id prompts only."""
     try:
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        return AutoTokenizer.from_pretrained(
+            model_dir, local_files_only=True, trust_remote_code=False
+        )
     except (OSError, ValueError, TypeError) as e:
         logger.warning("no tokenizer in %s (%s); only token-id prompts work", model_dir, e)
         return None

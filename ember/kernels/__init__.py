@@ -31,8 +31,11 @@ an fp32 GEMM.
 decodes); ATen above.
 
 Built with `-O3 -march=native` (or, for `cpu_isa="avx2"`, `-march=x86-64-v3`: the AVX2 paths on
-an AVX-512 machine) into `$XDG_CACHE_HOME/ember/kernels/<isa>-<hash>`, keyed by source, flags,
-torch version and CPU ISA; a later process loads the built library (about 0.1 s). The
+an AVX-512 machine) into `$XDG_CACHE_HOME/ember/kernels/<isa>-<target>-<hash>`, keyed by source,
+flags, the exact target `-march` resolves to (`ember.host.cpu_target`), torch version and CPU
+ISA; a later process loads the built library (about 0.1 s). The directory is created 0700 and
+refused (one log line; the kernels are built afresh in a private temporary directory) when
+another user could have written to it (`ember.host.private_dir`). The
 fake (shape) implementations sit beside the build below; `torch.library.opcheck` tests each op.
 """
 
@@ -45,7 +48,7 @@ import os
 
 import torch
 
-from ember.host import user_cache_dir
+from ember.host import cpu_target, fresh_private_dir, private_dir, user_cache_dir
 
 logger = logging.getLogger("ember")
 
@@ -115,11 +118,13 @@ def _build_and_load(isa: str, cflags: list[str]) -> None:
     for path in SOURCES:
         with open(path, "rb") as f:
             digest.update(f.read())
-    for part in (*cflags, torch.__version__, torch.backends.cpu.get_cpu_capability()):
+    # The exact target -march resolves to here, not only the coarse ISA: a home directory
+    # shared across CPU generations never loads a library built for another CPU.
+    target = cpu_target(next(f for f in cflags if f.startswith("-march=")))
+    for part in (*cflags, target, torch.__version__, torch.backends.cpu.get_cpu_capability()):
         digest.update(part.encode())
     key = digest.hexdigest()[:16]
-    build_dir = user_cache_dir("kernels", f"ember_cpu-{isa}-{key}")
-    os.makedirs(build_dir, exist_ok=True)
+    build_dir = _build_dir(f"ember_cpu-{isa}-{target}-{key}")
     logger.info("loading ember_cpu kernels from %s (built on first use)", build_dir)
     try:
         cpp_extension.load(
@@ -135,6 +140,13 @@ def _build_and_load(isa: str, cflags: list[str]) -> None:
     global _panel
     _panel = int(torch.ops.ember_cpu.pack_linear_weight(torch.zeros(1, 1)).shape[2])
     _register_fakes()
+
+
+def _build_dir(name: str) -> str:
+    """`<user cache>/kernels/<name>`, created 0700; a fresh private temporary directory (the
+    kernels are rebuilt, about 8 s) when that one is unsafe to load a library from."""
+    path = private_dir(user_cache_dir("kernels", name), "kernel cache")
+    return path if path is not None else fresh_private_dir("ember-kernels-")
 
 
 @functools.cache

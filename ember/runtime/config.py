@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ember.attention import BACKEND_NAMES, select_backend
-from ember.compiler.hf_config import ModelSpec, read_model_spec
+from ember.compiler.hf_config import LOAD_FORMATS, ModelSpec, check_weights_format, read_model_spec
 from ember.compiler.quant import QUANTIZATIONS
 from ember.host import CPU_ISAS, cpu_has_native_bf16
 from ember.runtime.pooling import max_seq_length
@@ -103,6 +103,14 @@ class EngineArgs:
             choices=CPU_ISAS,
         ),
     )
+    load_format: str = field(
+        default="safetensors",
+        metadata=_help(
+            "weights to load: safetensors only, or auto = safetensors, else a PyTorch .bin "
+            "checkpoint (a pickle, read with torch.load(weights_only=True))",
+            choices=LOAD_FORMATS,
+        ),
+    )
 
     def create_engine_config(self) -> EngineConfig:
         """Read the checkpoint's config once, resolve "auto" values against it and the CPU,
@@ -127,6 +135,9 @@ class EngineArgs:
             )
         if self.cpu_isa not in CPU_ISAS:
             raise ValueError(f"cpu_isa must be one of {CPU_ISAS}, got {self.cpu_isa!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        check_weights_format(self.model, self.load_format)
         weight_dtype = resolve_dtype(dtype, spec.checkpoint_dtype)
         run_dtype = compute_dtype(weight_dtype, self.cpu_isa)
         backend = select_backend(self.attention_backend, spec.attention_features(run_dtype))
@@ -153,6 +164,7 @@ class EngineArgs:
             enable_lora=self.enable_lora,
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
+            load_format=self.load_format,
         )
 
     @staticmethod
@@ -270,6 +282,7 @@ class EngineConfig:
     max_loras: int
     max_lora_rank: int
     cpu_isa: str
+    load_format: str = "safetensors"
 
     def __post_init__(self) -> None:
         _check_range("kv_cache_gib", self.kv_cache_gib, 1e-6, 1024)

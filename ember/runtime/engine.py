@@ -140,6 +140,7 @@ class LLMEngine:
             weight_dtype=config.weight_dtype,
             kernel_linears=not config.freeze_weights,
             cpu_isa=config.cpu_isa,
+            load_format=config.load_format,
         )
         num_blocks = KVCacheSpec.num_blocks_for(
             config.kv_cache_gib, loaded.kv_layer_shapes, config.block_size, config.dtype

@@ -17,6 +17,7 @@ from ember.compiler import cache
 from ember.compiler.capture import CompiledForward, Forward, build_forwards
 from ember.compiler.inductor import compile_settings
 from ember.compiler.loader import LoadedModel
+from ember.host import private_dir
 from ember.lora.manager import LoRAManager
 from ember.runtime.batch import (
     ForwardBatch,
@@ -194,6 +195,8 @@ class ModelRunner:
             return False
         # Frozen graphs hold the weights as constants (prepacked): they are not cached.
         cache_dir = None if self.config.freeze_weights else self.config.compile_cache_dir
+        if cache_dir is not None:  # loads pickled graphs and built kernels: ours only
+            cache_dir = private_dir(cache_dir, "compile cache")
         parts = cache.key_parts(
             self.loaded,
             self.buckets,

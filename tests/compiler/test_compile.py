@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import stat
 import subprocess
 import sys
 import textwrap
@@ -182,7 +183,8 @@ def test_compile_cache_round_trip_ember_warmup_then_engine(checkpoint_dir, tmp_p
         )
 
     def serve() -> dict:
-        return json.loads(run("-c", _CHILD, d, cache_dir).stdout.strip().splitlines()[-1])
+        child = run("-c", _CHILD, d, cache_dir)
+        return json.loads(child.stdout.strip().splitlines()[-1]) | {"log": child.stderr}
 
     warm = warmup(block_size=4)
     assert "2 graphs (static token buckets [1] + one dynamic) compiled and saved" in warm.stdout
@@ -193,6 +195,16 @@ def test_compile_cache_round_trip_ember_warmup_then_engine(checkpoint_dir, tmp_p
     # A different engine shape misses, says why in one line, and compiles normally.
     other = warmup(block_size=8)
     assert "differs in block_size" in other.stderr and "compiled and saved" in other.stdout
+    # The cache holds code the engine loads: created private, refused once others can write.
+    assert stat.S_IMODE(os.stat(cache_dir).st_mode) == 0o700
+    os.chmod(cache_dir, 0o777)
+    refused = serve()
+    assert (
+        "not using compile cache" in refused["log"]
+        and "writable by group or others" in (refused["log"])
+    )
+    assert not refused["hit"] and refused["loaded"] == 0 and refused["compiled"] == 2
+    assert refused["tokens"] == served["tokens"]
 
 
 def test_frozen_graphs_match_eager(checkpoint_dir):

@@ -209,3 +209,57 @@ def test_closed_llm_and_engine_raise_a_clear_error(checkpoint_dir):
         engine.add_request("late", {"prompt_token_ids": GOOD[0]}, SamplingParams(max_tokens=2))
     with pytest.raises(AttributeError):
         llm.no_such_attribute  # noqa: B018
+
+
+def test_pickle_only_checkpoints_need_an_explicit_opt_in(checkpoint_dir, tmp_path):
+    """A `.bin`-only checkpoint (a pickle) is refused by default, naming the file and the
+    opt-in; `load_format="auto"` loads it and generates what the safetensors copy does."""
+    import torch
+    from safetensors.torch import load_file
+
+    src = checkpoint_dir("tiny-llama")
+    d = str(tmp_path / "pickled")
+    shutil.copytree(src, d, ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(load_file(os.path.join(src, "model.safetensors")), f"{d}/pytorch_model.bin")
+    assert not any(f.endswith(".safetensors") for f in os.listdir(d))
+    kw = dict(compile=False, dtype="float32", kv_cache_gib=0.01, max_model_len=64, use_tqdm=False)
+    with pytest.raises(
+        ValueError,
+        match=r"only PyTorch pickle weights \(pytorch_model.bin\).*"
+        "load_format='auto'",
+    ):
+        LLM(model=d, **kw)
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        LLM(model=d, load_format="pickle", **kw)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = {"prompt_token_ids": GOOD[0]}
+    with LLM(model=d, load_format="auto", **kw) as llm, LLM(model=src, **kw) as ref:
+        assert llm.generate(prompt, params)[0].outputs[0].token_ids == (
+            ref.generate(prompt, params)[0].outputs[0].token_ids
+        )
+
+
+def test_checkpoint_code_never_runs(checkpoint_dir, tmp_path):
+    """`auto_map` code in a checkpoint is ignored (trust_remote_code=False): ember runs
+    transformers' own classes."""
+    src = checkpoint_dir("tiny-llama")
+    d = tmp_path / "with_code"
+    shutil.copytree(src, d)
+    marker = tmp_path / "code_ran"
+    (d / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "class EvilConfig(LlamaConfig):\n    pass\n"
+        "class EvilModel(LlamaForCausalLM):\n    pass\n"
+    )
+    config = json.loads((d / "config.json").read_text())
+    config["auto_map"] = {
+        "AutoConfig": "evil.EvilConfig",
+        "AutoModelForCausalLM": "evil.EvilModel",
+    }
+    (d / "config.json").write_text(json.dumps(config))
+    with LLM(
+        model=str(d), compile=False, dtype="float32", kv_cache_gib=0.01, use_tqdm=False
+    ) as llm:
+        llm.generate({"prompt_token_ids": GOOD[0]}, SamplingParams(max_tokens=2))
+    assert not marker.exists()
