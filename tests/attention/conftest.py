@@ -16,3 +16,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             and spec.params.get("block_size") != 4
         ):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def _fake_ipex_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tests.attention import fake_ipex
+
+    return fake_ipex.install(str(tmp_path_factory.mktemp("fake_ipex")))
+
+
+@pytest.fixture
+def fake_ipex(_fake_ipex_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """For one test, IPEX's stand-in (`tests/attention/fake_ipex.py`) is importable and passes
+    the backend's availability check, unless a real, usable IPEX is installed."""
+    from ember.attention import get_backend
+
+    if get_backend("ipex").unavailable() is not None:
+        monkeypatch.syspath_prepend(_fake_ipex_root)

@@ -86,10 +86,13 @@ def test_flash_decoding_split_matches_reference(monkeypatch):
         torch.testing.assert_close(out, torch.cat(refs), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["torch", "triton"])
-def test_engine_on_backend_matches_hf(checkpoint_dir, name):
+@pytest.mark.parametrize("name", ["torch", "triton", "ipex"])
+def test_engine_on_backend_matches_hf(checkpoint_dir, request, name):
     """Mixed prefill/decode batches through the engine on each available backend (eager: the
-    Triton interpreter cannot run inside an inductor graph on CPU)."""
+    Triton interpreter cannot run inside an inductor graph on CPU; IPEX's stand-in where IPEX
+    cannot be installed)."""
+    if name == "ipex":
+        request.getfixturevalue("fake_ipex")
     load_backend(name)
     d = checkpoint_dir("tiny-mistral")  # GQA (4 heads, 1 KV head) and a sliding window of 24
     prompts = make_prompts(3, seed=5, low=5, high=30)
