@@ -113,12 +113,22 @@ def test_prefix_cache_hit_within_one_batch_is_correct(checkpoint_dir):
     assert [o.num_cached_tokens for o in outs] == [0, 28, 28, 28]
 
 
-def test_generate_bf16_tokens_within_hf_top5(checkpoint_dir):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_generate_bf16_tokens_within_hf_top5(checkpoint_dir, compiled):
+    """dtype="bfloat16": bf16 activations where the CPU has native bf16 math (ember_cpu::
+    bf16_linear, oneDNN), else bf16 weights with fp32 math; eager and compiled."""
     from transformers import AutoModelForCausalLM
 
     d = checkpoint_dir("tiny-llama", dtype=torch.bfloat16)
     prompts = make_prompts(4, seed=6)
-    llm = LLM(model=d, compile=False, dtype="bfloat16", kv_cache_gib=0.01, max_model_len=128)
+    llm = LLM(
+        model=d,
+        compile=compiled,
+        dtype="bfloat16",
+        kv_cache_gib=0.01,
+        max_model_len=128,
+        max_num_batched_tokens=64,
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(16), use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
     with torch.inference_mode():
