@@ -265,21 +265,33 @@ class Scheduler:
                 if token is None:
                     continue
                 request.append_output_token(token)
-                logprobs = output.logprobs.get(item.request_id)
-                if logprobs is not None:
-                    self._append_logprobs(request, logprobs)
-                status = self._check_stop(request, token)
-                stop = self._detokenize(request, token)
-                if stop is not None and status is None:
-                    status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-                if status is not None and stop is None and request.detokenizer is not None:
-                    request.detokenizer.flush()
-                    request.text = request.detokenizer.text
+                try:
+                    status = self._process_token(request, token, output)
+                except Exception as e:  # noqa: BLE001  (this request's tokenizer, not the step's)
+                    status = RequestStatus.FINISHED_ERROR
+                    error = f"processing output token {token}: {type(e).__name__}: {e}"
             updated.append(request)
             if status is not None:
                 self.finish_request(request.request_id, status, error)
                 finished.append(request)
         return updated, finished
+
+    def _process_token(
+        self, request: Request, token: int, output: RunnerOutput
+    ) -> RequestStatus | None:
+        """Logprobs, stop checks and detokenization of a newly appended token; the status it
+        finishes the request with, if any."""
+        logprobs = output.logprobs.get(request.request_id)
+        if logprobs is not None:
+            self._append_logprobs(request, logprobs)
+        status = self._check_stop(request, token)
+        stop = self._detokenize(request, token)
+        if stop is not None and status is None:
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        if status is not None and stop is None and request.detokenizer is not None:
+            request.detokenizer.flush()
+            request.text = request.detokenizer.text
+        return status
 
     @staticmethod
     def _detokenize(request: Request, token: int) -> str | None:

@@ -236,3 +236,35 @@ def test_calls_from_two_threads_get_their_own_outputs(checkpoint_dir):
     engine.runner.execute = step
     engine.abort_request("a")
     _assert_clean(llm)
+
+
+def test_a_failing_detokenizer_fails_only_its_request(checkpoint_dir):
+    """An exception while processing one request's new token (its detokenizer here; logits
+    processors and grammars later) finishes that request with the error; the step's other
+    requests keep their tokens."""
+    base = checkpoint_dir("tiny-llama")
+    llm = _eager(base)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(3, seed=8)]
+    want = _tokens(llm.generate(prompts, GREEDY))
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+    detok = engine.scheduler.requests["1"].detokenizer
+
+    calls = []
+
+    def broken(token: int) -> int:
+        calls.append(token)
+        if len(calls) > 2:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return type(detok).append(detok, token)
+
+    detok.append = broken
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs |= {o.request_id: o for o in engine.step() if o.finished}
+    failed = outs["1"]
+    assert "UnicodeDecodeError" in failed.error and failed.outputs[0].finish_reason == "error"
+    assert failed.outputs[0].token_ids == want[1][:3]
+    assert [outs[str(i)].outputs[0].token_ids for i in (0, 2)] == [want[0], want[2]]
+    _assert_clean(llm)
