@@ -37,6 +37,11 @@ def cpu_has_native_bf16(isa: str = "native") -> bool:
     return isa == "native" and ("avx512_bf16" in flags or "amx_bf16" in flags)
 
 
+def cpu_has_amx() -> bool:
+    """True when the CPU has AMX tiles for bf16 (Sapphire Rapids and later Xeons)."""
+    return "amx_bf16" in _cpu_flags()
+
+
 def cpu_description() -> str:
     """The CPU's model name and its vector extensions, for benchmark reports."""
     name = "unknown CPU"

@@ -71,7 +71,7 @@ def key_parts(
         "kernels_isa": loaded.cpu_isa,
         "ember": __version__,
         "graphs": "aot_compile, no asserts",
-        "linears": "packed panels",
+        "linears": "packed panels, bf16 pairs",
     }
 
 
@@ -109,7 +109,9 @@ def mark_complete(cache_dir: str, parts: dict[str, Any]) -> str:
 
 
 def _describe_mismatch(cache_dir: str, parts: dict[str, Any]) -> str:
-    diffs: list[str] = []
+    """The entry closest to `parts` (fewest differing key parts) and what differs, in a line
+    that stays short however many entries the cache holds."""
+    diffs: list[tuple[int, str, list[str]]] = []
     for entry in sorted(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else []:
         try:
             with open(os.path.join(cache_dir, entry, KEY_FILE)) as f:
@@ -117,5 +119,9 @@ def _describe_mismatch(cache_dir: str, parts: dict[str, Any]) -> str:
         except (OSError, ValueError):
             continue
         differ = [k for k in parts if other.get(k) != parts[k]]
-        diffs.append(f"entry {entry} differs in {', '.join(differ) or 'nothing'}")
-    return "; ".join(diffs) if diffs else "no entries yet"
+        diffs.append((len(differ), entry, differ))
+    if not diffs:
+        return "no entries yet"
+    _, entry, differ = min(diffs)
+    others = f" ({len(diffs) - 1} other entries differ more)" if len(diffs) > 1 else ""
+    return f"closest entry {entry} differs in {', '.join(differ) or 'nothing'}{others}"

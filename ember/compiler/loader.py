@@ -111,7 +111,7 @@ def load_model(
         kernels.load(cpu_isa)
         quantize_int8_(model)
     elif (kernel_linears or narrow) and kernels.available(cpu_isa):
-        use_kernel_linears_(model, packed=dtype == torch.float32)
+        use_kernel_linears_(model, dtype)
     if narrow:
         _widen_all_but_linear_weights(model, dtype)
     _release_checkpoint_mapping(model, spec.model_dir)

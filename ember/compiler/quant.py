@@ -10,9 +10,14 @@ the checkpoint's own layout (`GemvLinear`).
   reuses each widened weight vector for up to 12 rows of x (llama-160m's projections, AMD EPYC
   2 cores: bf16 M=32 434 GFLOP/s, M=128 427, against ~200 for ATen's fp32 GEMM; see the
   kernel's comment). No widened copy of a weight is ever written.
-- bf16 activations (native bf16 math: AVX512-BF16 / AMX): `GemvLinear` keeps the checkpoint's
-  [N, K] bf16 weight: the dot-product GEMV for decode-sized steps, ATen's bf16 GEMM (oneDNN)
-  above, which needs that layout.
+- bf16 activations on CPUs with AVX512-BF16 but no AMX: `PackedLinear` too, with the weight
+  re-laid in pairs of k (`ember_cpu::pack_bf16_pairs`) that vdpbf16ps multiplies: bf16
+  products, fp32 sums, y rounded to bf16 once. llama-160m's projections, AMD EPYC 2 cores, ms
+  per 12-layer pass against the [N, K] GEMV / oneDNN: M=1 1.85 vs 1.81, M=8 2.81 vs 10.56,
+  M=32 8.46 vs 17.30, M=128 29.7 vs 41.1, M=2048 508 vs 566 (914 GFLOP/s).
+- bf16 activations on AMX CPUs: `GemvLinear` keeps the checkpoint's [N, K] bf16 weight: the
+  dot-product GEMV for decode-sized steps, ATen's bf16 GEMM above (oneDNN's AMX kernels, which
+  need that layout; not measured against the pairs here, where there is no AMX).
 - An LM head tied to the input embedding stays a `GemvLinear` over the shared table (the
   lookup needs the [vocab, d] layout; packing would hold the table twice).
 
@@ -33,20 +38,22 @@ import torch
 from torch import nn
 
 from ember import kernels
+from ember.host import cpu_has_amx
 
 # Weight-only quantization schemes (`EngineArgs.quantization`).
 QUANTIZATIONS = ("int8",)
 
 
 class PackedLinear(nn.Module):
-    """`y = (x @ w.T) * scales + bias`, fp32 math, the weight packed into panels (see the module
-    doc); a drop-in for nn.Linear. `quantize=True`: int8 weights with per-channel scales."""
+    """`y = (x @ w.T) * scales + bias`, the weight packed into panels (see the module doc); a
+    drop-in for nn.Linear. `quantize=True`: int8 weights with per-channel scales; `pairs=True`:
+    a bf16 weight in pairs of k, for bf16 activations."""
 
     packed: torch.Tensor
     scales: torch.Tensor | None
     bias: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear, quantize: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, quantize: bool = False, pairs: bool = False) -> None:
         super().__init__()
         kernels.load()
         self.in_features = linear.in_features
@@ -57,7 +64,11 @@ class PackedLinear(nn.Module):
             w = w.float()
             scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
             w = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("packed", torch.ops.ember_cpu.pack_linear_weight(w))
+        # pairs: bf16 weights for bf16 activations (vdpbf16ps); else fp32 math panels.
+        pack = (
+            torch.ops.ember_cpu.pack_bf16_pairs if pairs else torch.ops.ember_cpu.pack_linear_weight
+        )
+        self.register_buffer("packed", pack(w))
         self.register_buffer("scales", scales)
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
@@ -122,16 +133,23 @@ def _replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -
     return len(targets)
 
 
-def use_kernel_linears_(model: nn.Module, packed: bool) -> int:
-    """Route every bf16/fp32 nn.Linear of `model` through ember's kernels, in place: packed
-    (`PackedLinear`, for fp32 activations) or `GemvLinear` (bf16 activations; and a head tied
-    to the input embedding either way). Returns how many."""
+def use_kernel_linears_(model: nn.Module, activations: torch.dtype) -> int:
+    """Route every bf16/fp32 nn.Linear of `model` through ember's kernels, in place, for
+    `activations` (the run dtype): `PackedLinear` for fp32 activations, and for bf16 ones with
+    bf16 weights where the kernels have bf16 pairs and the CPU no AMX; else (and for a head tied
+    to the input embedding, whose table the lookup reads in [vocab, d]) `GemvLinear`. Returns
+    how many."""
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     shared = getattr(embed, "weight", None)
+    pairs = activations == torch.bfloat16 and kernels.bf16_pairs() and not cpu_has_amx()
 
     def make(linear: nn.Linear) -> nn.Module:
-        if packed and linear.weight is not shared:
+        if linear.weight is shared:
+            return GemvLinear(linear)
+        if activations == torch.float32:
             return PackedLinear(linear)
+        if pairs and linear.weight.dtype == torch.bfloat16:
+            return PackedLinear(linear, pairs=True)
         return GemvLinear(linear)
 
     return _replace_linears(model, make)

@@ -21,8 +21,13 @@ panel once (memory-bound), larger steps reuse each weight vector for up to 12 ro
 (compute-bound; about twice ATen's fp32 GEMM rate at prefill sizes). fp32 math throughout; y in
 x's dtype.
 
+`ember_cpu::pack_bf16_pairs(w)`: bf16 activations on CPUs with AVX512-BF16 (builds with it:
+`bf16_pairs()`): the weight re-laid as [ceil(N / 32), ceil(K / 2), 64], each pair of k values of
+32 channels adjacent, which `packed_linear` multiplies with vdpbf16ps (bf16 products, fp32
+sums, y rounded to bf16 once): twice the fp32 FMA's multiply-adds per instruction.
+
 `ember_cpu::bf16_linear(x, w_bf16, bias?)`: bf16 weights in the checkpoint's [N, K] layout (bf16
-activations on CPUs with native bf16 math, and LM heads tied to the input embedding): the
+activations on AMX CPUs, and LM heads tied to the input embedding): the
 dot-product GEMV for decodes, ATen's bf16 GEMM (AMX / AVX512-BF16) above with bf16
 activations; with fp32 activations the weight is widened (whole, or tile by tile in L2) into
 an fp32 GEMM.
@@ -58,6 +63,7 @@ _CFLAGS = ["-O3", "-fopenmp"]
 _ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=native"]}
 _loaded_isa: str | None = None
 _panel = 0  # packed weight panel width of the loaded build
+_bf16_pairs = False  # the loaded build has pack_bf16_pairs (AVX512-BF16)
 
 
 def _register_fakes() -> None:
@@ -66,6 +72,7 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"ember_cpu::{name}", _linear_fake)
     torch.library.register_fake("ember_cpu::packed_linear", _packed_linear_fake)
     torch.library.register_fake("ember_cpu::pack_linear_weight", _pack_fake)
+    torch.library.register_fake("ember_cpu::pack_bf16_pairs", _pack_pairs_fake)
 
 
 def _linear_fake(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Tensor:
@@ -86,6 +93,16 @@ def panel_width() -> int:
 
 def _pack_fake(w: torch.Tensor) -> torch.Tensor:
     return w.new_empty((-(-w.shape[0] // _panel), w.shape[1], _panel))
+
+
+def _pack_pairs_fake(w: torch.Tensor) -> torch.Tensor:
+    return w.new_empty((-(-w.shape[0] // _panel), -(-w.shape[1] // 2), 2 * _panel))
+
+
+def bf16_pairs() -> bool:
+    """True when the loaded build multiplies bf16 activations with `pack_bf16_pairs` weights
+    (it was built with AVX512-BF16)."""
+    return _bf16_pairs
 
 
 def loaded_isa() -> str | None:
@@ -137,8 +154,13 @@ def _build_and_load(isa: str, cflags: list[str]) -> None:
         )
     except (RuntimeError, OSError, ImportError) as e:
         raise RuntimeError(f"cannot build ember's C++ kernels in {build_dir}: {e}") from e
-    global _panel
+    global _panel, _bf16_pairs
     _panel = int(torch.ops.ember_cpu.pack_linear_weight(torch.zeros(1, 1)).shape[2])
+    try:  # builds without AVX512-BF16 refuse to pack pairs
+        torch.ops.ember_cpu.pack_bf16_pairs(torch.zeros(1, 2, dtype=torch.bfloat16))
+        _bf16_pairs = True
+    except RuntimeError:
+        _bf16_pairs = False
     _register_fakes()
 
 

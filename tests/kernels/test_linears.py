@@ -168,6 +168,66 @@ def test_packed_linear_contract():
         torch.ops.ember_cpu.pack_linear_weight(torch.zeros(4, 4, dtype=torch.float16))
 
 
+needs_pairs = pytest.mark.skipif(
+    not kernels.bf16_pairs(), reason="this build has no AVX512-BF16 (bf16 pairs)"
+)
+
+
+def _pairs_case(rows: int, n: int, k: int, bias: bool = True):
+    g = torch.Generator().manual_seed(rows * 7919 + n * 31 + k)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+    return x, w, b, ref, x.double().abs() @ w.double().abs().t()
+
+
+def _assert_rounded_once(out: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor) -> None:
+    """`out` is bf16 and at most one bf16 step (2^-7 relative) from the exact result, plus the
+    fp32 summation's own error (`magnitude`: the sum of |products|, times 2^-20)."""
+    assert out.dtype == torch.bfloat16
+    bound = ref.abs() * 2**-7 + magnitude * 2**-20
+    assert ((out.double() - ref).abs() <= bound).all()
+
+
+@needs_pairs
+@pytest.mark.parametrize("rows", PACKED_ROWS)
+@pytest.mark.parametrize(("n", "k"), [(45, 67), (1, 1), (257, 1030), (64, 4096), (33, 9001)])
+def test_bf16_pairs_match_exact_products_rounded_once(rows, n, k):
+    """bf16 activations x bf16 pairs (vdpbf16ps): exact products, fp32 sums, y rounded to bf16
+    once. Odd k (the last pair's second weight is 0), a partial panel, one channel, k = 4096 (one
+    2048-pair slice, y written in bf16) and k = 9001 (three slices, partial sums in fp32)."""
+    x, w, b, ref, magnitude = _pairs_case(rows, n, k, bias=n != 64)
+    out = torch.ops.ember_cpu.packed_linear(x, torch.ops.ember_cpu.pack_bf16_pairs(w), None, b, n)
+    assert out.shape == (rows, n)
+    _assert_rounded_once(out, ref, magnitude)
+
+
+@needs_pairs
+def test_bf16_pairs_layout_and_contract():
+    panel = kernels.panel_width()
+    w = torch.arange(50 * 5, dtype=torch.float32).view(50, 5).bfloat16()
+    pairs = torch.ops.ember_cpu.pack_bf16_pairs(w)
+    assert pairs.shape == (-(-50 // panel), 3, 2 * panel)
+    for n in (0, 17, 49):
+        for k in range(5):
+            assert pairs[n // panel, k // 2, 2 * (n % panel) + k % 2] == w[n, k]
+    assert not pairs[:, 2, 1::2].any() and not pairs[-1, :, 2 * (50 % panel) :].any()
+    x, w, b, ref, magnitude = _pairs_case(6, 45, 67)
+    packed = torch.ops.ember_cpu.pack_bf16_pairs(w)
+    out = torch.ops.ember_cpu.packed_linear(x.view(2, 3, 67), packed, None, b, 45)
+    assert out.shape == (2, 3, 45)
+    _assert_rounded_once(out.view(6, 45), ref, magnitude)
+    for rows in (0, 1, 13):
+        args = (torch.randn(rows, 67).bfloat16(), packed, None, b, 45)
+        torch.library.opcheck(torch.ops.ember_cpu.packed_linear.default, args)
+    torch.library.opcheck(torch.ops.ember_cpu.pack_bf16_pairs.default, (w,))
+    with pytest.raises(RuntimeError, match="bf16 x and no scales"):
+        torch.ops.ember_cpu.packed_linear(x.float(), packed, None, b, 45)
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.ember_cpu.packed_linear(x[:, :60], packed, None, b, 45)
+
+
 def test_avx2_build_passes_the_same_checks():
     """The AVX2 paths (no AVX-512) on whatever machine runs the tests: these linear checks and
     the paged-attention kernel's."""

@@ -588,11 +588,199 @@ at::Tensor pack_linear_weight(const at::Tensor& w_in) {
   return out;
 }
 
+// ---- bf16 pairs: bf16 activations on CPUs with AVX512-BF16 ----
+//
+// w [N, K] bf16 -> [P, ceil(K / 2), 2 * kPanel]: for each pair of k, the panel's kPanel
+// channels with their two weights adjacent, so one vdpbf16ps multiplies a broadcast pair
+// (x[k], x[k+1]) with 16 channels' pairs into fp32 accumulators: 32 multiply-adds per
+// instruction, twice the fp32 FMA's (measured here: 499 against 268 GFLOP/s per core). Same
+// register blocking as the fp32-math panels; products are exact and sums fp32, y is rounded to
+// bf16 once, as oneDNN's bf16 GEMM does. Replaces the [N, K] GEMV and oneDNN (which repacks
+// the weight on every call: 464 GFLOP/s at M = 32 on llama-160m against 1240 at M = 2048).
+#if defined(__AVX512BF16__) && defined(EMBER_SIMD) && defined(__AVX512F__)
+#define EMBER_BF16_PAIRS 1
+// k pairs per pass over a panel: a slice of at most 256 KiB stays in L2 while every row block
+// of the step uses it; models up to K = 4096 take one slice, so y is written once, in bf16.
+constexpr int64_t kPairDepth = 2048;
+
+inline __m512i pair_at(const uint16_t* x) {  // (x[0], x[1]) in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, x, sizeof(v));
+  return _mm512_set1_epi32(v);
+}
+
+inline __m512 vdp(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+
+inline void store_bf16_n(uint16_t* p, __m512 v, int64_t n) {  // round to nearest even
+  _mm256_mask_storeu_epi16(p, static_cast<__mmask16>((1u << n) - 1),
+                           reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+
+// Rows m0 .. m0+MR-1, channels n .. n+cols-1: acc (+)= x[.., 2 j0 : 2 j1] @ panel pairs
+// [j0, j1), x rows holding Ke (even) values. Partial sums of an earlier slice are read from
+// yf (`first`: none); the last slice adds the bias and writes y in bf16, others write yf.
+template <int MR>
+inline void pair_rows(const uint16_t* x, int64_t Ke, const uint16_t* pan, int64_t j0,
+                      int64_t j1, float* yf, uint16_t* yb, int64_t N, int64_t cols, bool first,
+                      bool last, const float* bi) {
+  __m512 a0[MR], a1[MR];
+  const int64_t c0 = std::min<int64_t>(cols, kLanes), c1 = cols - c0;
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    a0[r] = first ? vzero() : vload_n(yf + r * N, c0);
+    a1[r] = first ? vzero() : vload_n(yf + r * N + kLanes, c1);
+  }
+  constexpr int64_t kRow = 2 * kPanel;  // uint16 per pair row of a panel
+  int64_t j = j0;
+  if constexpr (MR == 1) {  // one row: four pairs at a time, eight dot-product chains
+    __m512 b0[3] = {vzero(), vzero(), vzero()}, b1[3] = {vzero(), vzero(), vzero()};
+    for (; j + 4 <= j1; j += 4) {
+      const uint16_t* w = pan + j * kRow;
+      const char* ahead = reinterpret_cast<const char*>(w) + kPanelPrefetchBytes;
+#pragma GCC unroll 8
+      for (int64_t l = 0; l < 4 * kRow * 2; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+      const __m512i x0 = pair_at(x + 2 * j);
+      a0[0] = vdp(a0[0], x0, _mm512_loadu_si512(w));
+      a1[0] = vdp(a1[0], x0, _mm512_loadu_si512(w + 32));
+#pragma GCC unroll 3
+      for (int u = 0; u < 3; ++u) {
+        const __m512i xu = pair_at(x + 2 * (j + 1 + u));
+        b0[u] = vdp(b0[u], xu, _mm512_loadu_si512(w + (1 + u) * kRow));
+        b1[u] = vdp(b1[u], xu, _mm512_loadu_si512(w + (1 + u) * kRow + 32));
+      }
+    }
+    a0[0] = vadd(vadd(a0[0], b0[0]), vadd(b0[1], b0[2]));
+    a1[0] = vadd(vadd(a1[0], b1[0]), vadd(b1[1], b1[2]));
+  }
+  for (; j < j1; ++j) {
+    const uint16_t* w = pan + j * kRow;
+    _mm_prefetch(reinterpret_cast<const char*>(w) + kPanelPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + kPanelPrefetchBytes + 64, _MM_HINT_T0);
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 32);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m512i xb = pair_at(x + r * Ke + 2 * j);
+      a0[r] = vdp(a0[r], xb, w0);
+      a1[r] = vdp(a1[r], xb, w1);
+    }
+  }
+  if (!last) {
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      vstore_n(yf + r * N, a0[r], c0);
+      vstore_n(yf + r * N + kLanes, a1[r], c1);
+    }
+    return;
+  }
+  const vfloat b0 = vload(bi), b1 = vload(bi + kLanes);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    store_bf16_n(yb + r * N, vadd(a0[r], b0), c0);
+    if (c1 > 0) store_bf16_n(yb + r * N + kLanes, vadd(a1[r], b1), c1);
+  }
+}
+
+using PairKernel = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*,
+                            uint16_t*, int64_t, int64_t, bool, bool, const float*);
+
+template <size_t... R>
+constexpr std::array<PairKernel, sizeof...(R)> pair_kernels(std::index_sequence<R...>) {
+  return {&pair_rows<static_cast<int>(R) + 1>...};
+}
+
+// y [M, N] (bf16) = x [M, Ke] (bf16, Ke even) @ pairs + bias; tasks as in packed_gemm. `yf`:
+// fp32 [M, N] scratch for partial sums, needed only when Ke / 2 > kPairDepth.
+void pairs_gemm(const uint16_t* x, const uint16_t* wp, const float* bias, float* yf,
+                uint16_t* y, int64_t M, int64_t N, int64_t Ke) {
+  static constexpr auto kernels =
+      pair_kernels(std::make_index_sequence<static_cast<size_t>(kRowBlock)>());
+  const int64_t P = (N + kPanel - 1) / kPanel, J = Ke / 2;
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t rows_per = (M + blocks - 1) / blocks;
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = std::min(blocks, std::max<int64_t>(1, (2 * threads + P - 1) / P));
+  at::parallel_for(0, P * splits, 1, [&](int64_t t0, int64_t t1) {
+    alignas(64) float bi[kPanel];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p = t / splits, s = t % splits;
+      const int64_t n = p * kPanel, cols = std::min(kPanel, N - n);
+      for (int64_t c = 0; c < kPanel; ++c) bi[c] = bias && c < cols ? bias[n + c] : 0.f;
+      const int64_t b0 = s * blocks / splits, b1 = (s + 1) * blocks / splits;
+      const uint16_t* pan = wp + p * J * 2 * kPanel;
+      for (int64_t j0 = 0; j0 < J; j0 += kPairDepth) {
+        const int64_t j1 = std::min(J, j0 + kPairDepth);
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t m0 = b * rows_per, rows = std::min(rows_per, M - m0);
+          if (rows <= 0) continue;
+          kernels[rows - 1](x + m0 * Ke, Ke, pan, j0, j1, yf ? yf + m0 * N + n : nullptr,
+                            y + m0 * N + n, N, cols, j0 == 0, j1 == J, bi);
+        }
+      }
+    }
+  });
+}
+#endif
+
+// w [N, K] bf16 -> [ceil(N / kPanel), ceil(K / 2), 2 * kPanel] (zeros past N and K), for
+// bf16 activations; raises where the build lacks AVX512-BF16 (`ember.kernels.bf16_pairs`).
+at::Tensor pack_bf16_pairs(const at::Tensor& w_in) {
+#ifdef EMBER_BF16_PAIRS
+  TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kBFloat16,
+              "pack_bf16_pairs: w must be a bf16 [N, K] tensor");
+  const at::Tensor w = w_in.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel, J = (K + 1) / 2;
+  at::Tensor out = at::zeros({P, J, 2 * kPanel}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      uint16_t* panel = dst + p * J * 2 * kPanel;
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint16_t* row = src + (p * kPanel + c) * K;
+        for (int64_t k = 0; k < K; ++k) panel[(k / 2) * 2 * kPanel + 2 * c + (k & 1)] = row[k];
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "pack_bf16_pairs: this build of ember's kernels has no AVX512-BF16");
+#endif
+}
+
 // y [..., N] = x [..., K] @ w^T (* scales) (+ bias) for a weight packed by pack_linear_weight:
 // fp32 math; y in x's dtype. `scales`: float32 [N] (int8 weights), else None.
 at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& w,
                          const std::optional<at::Tensor>& scales,
                          const std::optional<at::Tensor>& bias, int64_t N) {
+#ifdef EMBER_BF16_PAIRS
+  if (w.dim() == 3 && w.size(2) == 2 * kPanel) {  // pack_bf16_pairs: bf16 activations
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
+                    x_in.scalar_type() == at::kBFloat16 && !(scales.has_value() && scales->defined()),
+                "packed_linear: a pack_bf16_pairs weight takes bf16 x and no scales");
+    TORCH_CHECK(N > (w.size(0) - 1) * kPanel && N <= w.size(0) * kPanel,
+                "packed_linear: out_features ", N, " does not fit ", w.size(0), " panels");
+    const int64_t K = x_in.size(-1), J = w.size(1);
+    TORCH_CHECK((K + 1) / 2 == J, "packed_linear: x has ", K, " features, w ", 2 * J);
+    auto out_shape = x_in.sizes().vec();
+    out_shape.back() = N;
+    at::Tensor x = x_in.reshape({-1, K}).contiguous();
+    if (K % 2) x = at::constant_pad_nd(x, {0, 1});  // the last pair's second value is 0
+    const int64_t M = x.size(0);
+    at::Tensor y = at::empty({M, N}, x.options());
+    if (M > 0) {
+      at::Tensor b, partial;
+      if (J > kPairDepth) partial = at::empty({M, N}, x.options().dtype(at::kFloat));
+      pairs_gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()),
+                 reinterpret_cast<const uint16_t*>(w.data_ptr()), bias_ptr(bias, b),
+                 partial.defined() ? partial.data_ptr<float>() : nullptr,
+                 reinterpret_cast<uint16_t*>(y.data_ptr()), M, N, 2 * J);
+    }
+    return y.view(out_shape);
+  }
+#endif
   TORCH_CHECK(w.dim() == 3 && w.size(2) == kPanel && w.is_contiguous(),
               "packed_linear: w must be a contiguous [P, K, ", kPanel,
               "] weight from pack_linear_weight (built for this CPU ISA)");
@@ -852,6 +1040,7 @@ TORCH_LIBRARY(ember_cpu, m) {
       "Tensor(b!) cache, Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_tables, float scale, int sliding_window, int split_min_tokens) -> int");
   m.def("pack_linear_weight(Tensor w) -> Tensor");
+  m.def("pack_bf16_pairs(Tensor w) -> Tensor");
   m.def(
       "packed_linear(Tensor x, Tensor w, Tensor? scales, Tensor? bias, int out_features) -> "
       "Tensor");
@@ -863,4 +1052,5 @@ TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
   m.impl("paged_attention_cpu", &paged_attention_cpu);
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("packed_linear", &packed_linear);
+  m.impl("pack_bf16_pairs", &pack_bf16_pairs);
 }
