@@ -124,7 +124,10 @@ AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.cpu_isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
         env = dict(os.environ, **AVX2_ENV)
-        os.execve(sys.executable, [sys.executable, "-m", "ember.cli", *sys.argv[1:]], env)
+        # The same ember as this process (not whichever `python -m` finds first from the cwd).
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        code = f"import sys; sys.path[0] = {root!r}; from ember.cli import main; sys.exit(main())"
+        os.execve(sys.executable, [sys.executable, "-c", code, *sys.argv[1:]], env)
     model_dir = args.model or bench.bench_checkpoint(args.shape, args.dtype, args.checkpoint_dtype)
     workload = bench.WORKLOADS[args.workload]
     cache_dir = None if args.no_cache else default_compile_cache_dir()

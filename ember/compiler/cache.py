@@ -5,7 +5,8 @@ shape (`CompiledForward`: Dynamo's bytecode and the inductor graph, loaded witho
 `<cache_dir>/<key>/inductor/` the inductor cache the graphs were built in (their compiled C++
 kernels), and `<cache_dir>/<key>/key.json` holds the readable parts of the key, written once
 every graph is saved. The key covers everything the
-graphs depend on: model config, dtype, weight quantization, token-bucket ladder, block size,
+graphs depend on: model config, the rewritten model's structure (module types, tensor names,
+shapes and dtypes), dtype, weight quantization, token-bucket ladder, block size,
 inductor settings, torch version, CPU ISA, the exact -march=native target and ember's version.
 The engine uses a cache dir only if it is private (`ember.host.private_dir`: created 0700,
 owned by this user, writable by nobody else), since it loads pickled code from it. KV-cache
@@ -54,6 +55,7 @@ def key_parts(
         "model_config_sha256": hashlib.sha256(
             json.dumps(model, sort_keys=True).encode()
         ).hexdigest(),
+        "modules_sha256": modules_fingerprint(loaded.model),
         "architecture": (getattr(hf_config, "architectures", None) or ["?"])[0],
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "weight_dtype": str(loaded.weight_dtype).removeprefix("torch."),
@@ -73,6 +75,20 @@ def key_parts(
         "graphs": "aot_compile, no asserts",
         "linears": "packed panels, bf16 pairs",
     }
+
+
+def modules_fingerprint(model: torch.nn.Module) -> str:
+    """Hash of the model as the loader rewrote it: every module's type and every parameter's
+    and buffer's name, shape and dtype. A graph compiled for one structure (GEMV or packed
+    linears, a packed tied head, LoRA slots) is never loaded for another, whatever else the
+    key says."""
+    h = hashlib.sha256()
+    for name, module in model.named_modules():
+        h.update(f"{name}:{type(module).__qualname__};".encode())
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    for name, t in tensors:
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()
 
 
 def entry_dir(cache_dir: str, parts: dict[str, Any]) -> str:

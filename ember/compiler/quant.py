@@ -18,8 +18,9 @@ the checkpoint's own layout (`GemvLinear`).
 - bf16 activations on AMX CPUs: `GemvLinear` keeps the checkpoint's [N, K] bf16 weight: the
   dot-product GEMV for decode-sized steps, ATen's bf16 GEMM above (oneDNN's AMX kernels, which
   need that layout; not measured against the pairs here, where there is no AMX).
-- An LM head tied to the input embedding stays a `GemvLinear` over the shared table (the
-  lookup needs the [vocab, d] layout; packing would hold the table twice).
+- An LM head tied to the input embedding is packed too, and the embedding lookup gathers its
+  rows from the packed head (`PackedEmbedding`): the table is held once. (A table with more
+  users, as BART's, keeps a `GemvLinear` head over the shared [vocab, d] table.)
 
 A batch-1 decode step reads every weight once, so its floor is weight bytes / memory bandwidth;
 int8 storage reads a quarter of fp32's bytes (half of bf16's).
@@ -68,6 +69,7 @@ class PackedLinear(nn.Module):
         pack = (
             torch.ops.ember_cpu.pack_bf16_pairs if pairs else torch.ops.ember_cpu.pack_linear_weight
         )
+        self.pairs = pairs
         self.register_buffer("packed", pack(w))
         self.register_buffer("scales", scales)
         bias = linear.bias
@@ -93,6 +95,36 @@ class Int8Linear(PackedLinear):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear, quantize=True)
+
+
+class PackedEmbedding(nn.Module):
+    """The input embedding of a model whose LM head is tied to it and packed: each token's row
+    is gathered from the head's packed weight (a row of panels, or of bf16 pairs), so the
+    table is held once, in the layout the head's GEMM wants."""
+
+    packed: torch.Tensor
+
+    def __init__(self, embedding: nn.Embedding, head: PackedLinear) -> None:
+        super().__init__()
+        self.num_embeddings = embedding.num_embeddings
+        self.embedding_dim = embedding.embedding_dim
+        self.pairs = head.pairs
+        self.register_buffer("packed", head.packed)  # the head's tensor, not a copy
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.packed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        panel = self.packed.shape[2] // 2 if self.pairs else self.packed.shape[2]
+        if self.pairs:  # [P, K/2, panel, 2][p, :, c] -> [..., K/2, 2]
+            pairs = self.packed.view(self.packed.shape[0], self.packed.shape[1], panel, 2)
+            rows = pairs[ids // panel, :, ids % panel].flatten(-2)
+            return rows[..., : self.embedding_dim]
+        return self.packed[ids // panel, :, ids % panel]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the tied head's packed weight"
 
 
 class GemvLinear(nn.Module):
@@ -136,23 +168,38 @@ def _replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -
 def use_kernel_linears_(model: nn.Module, activations: torch.dtype) -> int:
     """Route every bf16/fp32 nn.Linear of `model` through ember's kernels, in place, for
     `activations` (the run dtype): `PackedLinear` for fp32 activations, and for bf16 ones with
-    bf16 weights where the kernels have bf16 pairs and the CPU no AMX; else (and for a head tied
-    to the input embedding, whose table the lookup reads in [vocab, d]) `GemvLinear`. Returns
-    how many."""
+    bf16 weights where the kernels have bf16 pairs and the CPU no AMX; else `GemvLinear`.
+
+    An LM head tied to a plain `nn.Embedding` is packed like the others and the embedding
+    becomes a `PackedEmbedding` reading rows from the head's packed weight (the table is held
+    once). Where the table has other users (BART's encoder and decoder share it) or the
+    embedding is not a plain one (scaled embeddings), the head stays a `GemvLinear` over the
+    shared [vocab, d] table. Returns how many linears were replaced."""
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     shared = getattr(embed, "weight", None)
     pairs = activations == torch.bfloat16 and kernels.bf16_pairs() and not cpu_has_amx()
+    users = sum(p is shared for m in model.modules() for p in m.parameters(recurse=False))
+    pack_tied = type(embed) is nn.Embedding and embed.max_norm is None and users == 2
+    tied: list[PackedLinear] = []
 
     def make(linear: nn.Linear) -> nn.Module:
-        if linear.weight is shared:
+        if linear.weight is shared and not pack_tied:
             return GemvLinear(linear)
         if activations == torch.float32:
-            return PackedLinear(linear)
-        if pairs and linear.weight.dtype == torch.bfloat16:
-            return PackedLinear(linear, pairs=True)
-        return GemvLinear(linear)
+            module = PackedLinear(linear)
+        elif pairs and linear.weight.dtype == torch.bfloat16:
+            module = PackedLinear(linear, pairs=True)
+        else:
+            return GemvLinear(linear)
+        if linear.weight is shared:
+            tied.append(module)
+        return module
 
-    return _replace_linears(model, make)
+    count = _replace_linears(model, make)
+    if tied:
+        assert isinstance(embed, nn.Embedding)
+        model.set_input_embeddings(PackedEmbedding(embed, tied[0]))  # type: ignore[operator]
+    return count
 
 
 def quantize_int8_(model: nn.Module) -> int:

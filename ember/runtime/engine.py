@@ -95,7 +95,8 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.spec.hf_config
         model = loaded.model
-        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])  # type: ignore[operator, index]
+        embed = model.get_input_embeddings()  # type: ignore[operator]
+        self.vocab_size = int(getattr(embed, "num_embeddings", None) or embed.weight.shape[0])  # type: ignore[index]
         self.eos_token_id = _eos_id(model, self.tokenizer)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(

@@ -190,14 +190,17 @@ def measure_gemm_gflops(
     dtype: torch.dtype, m: int = 512, k: int = 2048, n: int = 2048, repeats: int = 5
 ) -> float:
     """This machine's best GEMM rate in `dtype` (a prefill-sized `x @ W.T`), GFLOP/s: ATen's,
-    or for fp32 math ember's packed kernel when it is loaded (it runs the fp32-activation
-    linears, at about twice ATen's rate here), whichever is faster."""
+    or ember's packed kernel when it is loaded (fp32 panels, or bf16 pairs where the build has
+    AVX512-BF16), whichever is faster."""
     x = torch.randn(m, k, dtype=dtype)
     w = torch.randn(n, k, dtype=dtype)
     candidates = [lambda: torch.nn.functional.linear(x, w)]
     if dtype == torch.float32 and kernels.loaded_isa() is not None:
         packed = torch.ops.ember_cpu.pack_linear_weight(w)
         candidates.append(lambda: torch.ops.ember_cpu.packed_linear(x, packed, None, None, n))
+    if dtype == torch.bfloat16 and kernels.bf16_pairs():
+        pairs = torch.ops.ember_cpu.pack_bf16_pairs(w)
+        candidates.append(lambda: torch.ops.ember_cpu.packed_linear(x, pairs, None, None, n))
     best = 0.0
     for fn in candidates:
         fn()

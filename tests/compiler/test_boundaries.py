@@ -66,3 +66,18 @@ def test_bf16_linear_matches_fp32_math_and_opcheck(rows, bias):
     tol = 1e-4 if rows <= 8 else 5e-2
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol * 10)
     torch.library.opcheck(torch.ops.ember_cpu.bf16_linear.default, (x, w, b))
+
+
+def test_compile_cache_key_covers_the_rewritten_model_structure(checkpoint_dir):
+    """Graphs compiled for one rewrite of the model (GEMV or packed linears, a packed tied
+    head) are keyed apart: the key hashes module types and tensor names, shapes and dtypes."""
+    from transformers import AutoModelForCausalLM
+
+    from ember.compiler.cache import modules_fingerprint
+    from ember.compiler.quant import use_kernel_linears_
+
+    d = checkpoint_dir("tiny-qwen2", tie_word_embeddings=True)
+    a, b = (AutoModelForCausalLM.from_pretrained(d) for _ in range(2))
+    assert modules_fingerprint(a) == modules_fingerprint(b)
+    use_kernel_linears_(b, torch.float32)
+    assert modules_fingerprint(a) != modules_fingerprint(b)

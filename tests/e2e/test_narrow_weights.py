@@ -9,9 +9,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from ember import LLM
+from ember import LLM, SamplingParams, kernels
 from ember.host import cpu_has_native_bf16
 from tests.conftest import build_tiny_bart, build_tiny_bert, hf_bart_greedy, hf_greedy, make_prompts
 
@@ -106,3 +107,42 @@ def test_encoder_decoder_and_encoder_with_bf16_weights_fp32_math(tmp_path):
         hidden = bert(input_ids=torch.tensor([[2, 5, 6, 7, 8, 3]])).last_hidden_state[0]
     ref = torch.nn.functional.normalize(hidden.mean(0), dim=-1)
     torch.testing.assert_close(torch.tensor(got["bert"]), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "compiled"),
+    [("float32", False), ("float32", True), ("bfloat16", False)],
+    ids=["fp32-eager", "fp32-compiled", "bf16-eager"],
+)
+def test_a_tied_head_is_packed_once_and_the_lookup_reads_it(checkpoint_dir, dtype, compiled):
+    """A head tied to a plain embedding is packed like every linear; the embedding gathers its
+    rows from the head's packed tensor, so the table is held once. fp32: token-identical to HF
+    fp32; bf16 weights: within HF bf16's top 5."""
+    from transformers import AutoModelForCausalLM
+
+    from ember.compiler.quant import PackedEmbedding, PackedLinear
+
+    ckpt_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    d = checkpoint_dir("tiny-qwen2", dtype=ckpt_dtype, tie_word_embeddings=True)
+    prompts = make_prompts(3, seed=4)
+    kw = dict(compile=compiled, dtype=dtype, kv_cache_gib=0.01, max_model_len=128)
+    with LLM(model=d, max_num_batched_tokens=64, use_tqdm=False, **kw) as llm:
+        model = llm.llm_engine.runner.model
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        packed = llm.config.dtype == torch.float32 or kernels.bf16_pairs()
+        if packed:
+            assert isinstance(embed, PackedEmbedding) and isinstance(head, PackedLinear)
+            assert embed.packed is head.packed  # one table
+            assert not any(isinstance(m, torch.nn.Embedding) for m in model.modules())
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    got = [o.outputs[0].token_ids for o in outs]
+    if dtype == "float32":
+        assert got == hf_greedy(d, prompts, 8)
+        return
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for p, gen in zip(prompts, got, strict=True):
+            logits = hf(torch.tensor([p + gen])).logits[0, len(p) - 1 : -1].float()
+            top5 = logits.topk(5, dim=-1).indices
+            assert all(t in top5[i].tolist() for i, t in enumerate(gen))
