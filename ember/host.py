@@ -9,7 +9,6 @@ import logging
 import os
 import stat
 import subprocess
-import tempfile
 
 logger = logging.getLogger("ember")
 
@@ -65,16 +64,12 @@ def user_cache_dir(*parts: str) -> str:
     return os.path.join(root, "ember", *parts)
 
 
+@functools.cache
 def cpu_target(march: str = "-march=native") -> str:
     """The exact code-generation target of `march` on this host, e.g. "znver3-1f0c9a2b": the
     compiler's expansion of the flag (base architecture plus every -m feature it enables),
     hashed. Two CPUs that differ in any feature -march=native turns on get different values,
     so a cache shared between machines never loads code built for the other one."""
-    return _cpu_target(march)
-
-
-@functools.cache
-def _cpu_target(march: str) -> str:
     try:
         run = subprocess.run(
             ["c++", march, "-x", "c++", "-E", "-v", "-"],
@@ -135,8 +130,3 @@ def private_dir(path: str, what: str) -> str | None:
         logger.warning("not using %s %s: %s; building afresh without it", what, path, reason)
         return None
     return path
-
-
-def fresh_private_dir(prefix: str) -> str:
-    """A new 0700 temporary directory (the fallback for a refused cache)."""
-    return tempfile.mkdtemp(prefix=prefix)

@@ -116,12 +116,12 @@ class PackedEmbedding(nn.Module):
         return self.packed
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        panel = self.packed.shape[2] // 2 if self.pairs else self.packed.shape[2]
-        if self.pairs:  # [P, K/2, panel, 2][p, :, c] -> [..., K/2, 2]
-            pairs = self.packed.view(self.packed.shape[0], self.packed.shape[1], panel, 2)
-            rows = pairs[ids // panel, :, ids % panel].flatten(-2)
-            return rows[..., : self.embedding_dim]
-        return self.packed[ids // panel, :, ids % panel]
+        num_panels, depth, width = self.packed.shape
+        if not self.pairs:  # [P, K, panel][p, :, c] -> [..., K]
+            return self.packed[ids // width, :, ids % width]
+        panel = width // 2  # [P, K/2, panel, 2][p, :, c] -> [..., K/2, 2] -> [..., K]
+        pairs = self.packed.view(num_panels, depth, panel, 2)
+        return pairs[ids // panel, :, ids % panel].flatten(-2)[..., : self.embedding_dim]
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows of the tied head's packed weight"

@@ -50,10 +50,11 @@ import functools
 import hashlib
 import logging
 import os
+import tempfile
 
 import torch
 
-from ember.host import cpu_target, fresh_private_dir, private_dir, user_cache_dir
+from ember.host import cpu_target, private_dir, user_cache_dir
 
 logger = logging.getLogger("ember")
 
@@ -168,7 +169,7 @@ def _build_dir(name: str) -> str:
     """`<user cache>/kernels/<name>`, created 0700; a fresh private temporary directory (the
     kernels are rebuilt, about 8 s) when that one is unsafe to load a library from."""
     path = private_dir(user_cache_dir("kernels", name), "kernel cache")
-    return path if path is not None else fresh_private_dir("ember-kernels-")
+    return path if path is not None else tempfile.mkdtemp(prefix="ember-kernels-")  # 0700
 
 
 @functools.cache

@@ -186,8 +186,8 @@ class LLM:
                         bar.update(1)
                         rate = num_out / max(time.perf_counter() - start, 1e-9)
                         bar.set_postfix_str(f"out {rate:.1f} tok/s")
-        except Exception as e:  # the step was rolled back: the engine is consistent
-            if raise_on_error:
+        except BaseException as e:  # the step was rolled back: the engine is consistent
+            if raise_on_error or not isinstance(e, Exception):  # KeyboardInterrupt and the like
                 for request_id in ids:
                     engine.abort_request(request_id)
                 raise
@@ -198,10 +198,6 @@ class LLM:
                     and (failed := engine.fail_request(request_id, error)) is not None
                 ):
                     finished[request_id] = failed
-        except BaseException:  # KeyboardInterrupt and the like
-            for request_id in ids:
-                engine.abort_request(request_id)
-            raise
         finally:
             bar.close()
         return [finished[i] for i in ids]

@@ -6,8 +6,8 @@ output tokens; TTFT and TPOT. Every figure is the median of `repeats` runs in th
 `--compare hf` runs the same workload with HF transformers (eager `generate`, plus static-cache
 `torch.compile` for W-LAT) in the same process, so ratios come from one run on this noisy
 machine. The rooflines are measured in the same run: memory bandwidth (batch-1 decode floor =
-weight bytes per token / bandwidth) and the best GEMM rate (ATen's, or ember's packed kernel for
-fp32 math; compute floor = workload FLOPs / GEMM rate).
+weight bytes per token / bandwidth) and the best GEMM rate (ATen's, or ember's packed kernel:
+fp32 panels, or bf16 pairs on AVX512-BF16; compute floor = workload FLOPs / GEMM rate).
 """
 
 from __future__ import annotations

@@ -508,40 +508,58 @@ constexpr std::array<PanelKernel<W>, sizeof...(R)> panel_kernels(std::index_sequ
   return {&panel_rows<static_cast<int>(R) + 1, W>...};
 }
 
-// y [M, N] = x [M, K] @ w^T * scales + bias, w packed [P, K, kPanel]. Tasks: panels (a thread
-// owns a contiguous run of them, so decodes stream contiguous memory), split by row blocks
-// too when there are too few panels to keep every thread busy.
+// The row blocks [b0, b1) of one task: rows_per rows each (balanced: 8 rows = 4 + 4), the last
+// one partial.
+struct RowBlocks {
+  int64_t b0, b1, rows_per, M;
+  template <typename F>
+  void each(const F& f) const {  // f(first row, rows)
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t m0 = b * rows_per, rows = std::min(rows_per, M - m0);
+      if (rows > 0) f(m0, rows);
+    }
+  }
+};
+
+// The tasks of a packed GEMM [M, K] x panels -> [M, N]: panels (a thread owns a contiguous run
+// of them, so decodes stream contiguous memory), split by row blocks too when there are too few
+// panels to keep every thread busy. Calls task(panel, first channel, channels, row blocks).
+template <typename Task>
+void for_panel_tasks(int64_t M, int64_t N, const Task& task) {
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t rows_per = (M + blocks - 1) / blocks;
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = std::min(blocks, std::max<int64_t>(1, (2 * threads + P - 1) / P));
+  at::parallel_for(0, P * splits, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p = t / splits, s = t % splits, n = p * kPanel;
+      task(p, n, std::min(kPanel, N - n),
+           RowBlocks{s * blocks / splits, (s + 1) * blocks / splits, rows_per, M});
+    }
+  });
+}
+
+// y [M, N] = x [M, K] @ w^T * scales + bias, w packed [P, K, kPanel].
 template <typename W>
 void packed_gemm(const float* x, const W* wp, const float* scales, const float* bias, float* y,
                  int64_t M, int64_t N, int64_t K) {
   static constexpr auto kernels =
       panel_kernels<W>(std::make_index_sequence<static_cast<size_t>(kRowBlock)>());
-  const int64_t P = (N + kPanel - 1) / kPanel;
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;  // balanced: 8 rows = 4 + 4
-  const int64_t rows_per = (M + blocks - 1) / blocks;
-  const int64_t threads = at::get_num_threads();
-  const int64_t splits = std::min(blocks, std::max<int64_t>(1, (2 * threads + P - 1) / P));
-  at::parallel_for(0, P * splits, 1, [&](int64_t t0, int64_t t1) {
+  for_panel_tasks(M, N, [&](int64_t p, int64_t n, int64_t cols, const RowBlocks& blocks) {
     alignas(64) float sc[kPanel], bi[kPanel];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p = t / splits, s = t % splits;
-      const int64_t n = p * kPanel, cols = std::min(kPanel, N - n);
-      for (int64_t j = 0; j < kPanel; ++j) {
-        sc[j] = scales && j < cols ? scales[n + j] : 1.f;
-        bi[j] = bias && j < cols ? bias[n + j] : 0.f;
-      }
-      const int64_t b0 = s * blocks / splits, b1 = (s + 1) * blocks / splits;
-      const W* pan = wp + p * K * kPanel;
-      for (int64_t k0 = 0; k0 < K; k0 += kPanelDepth) {
-        const int64_t k1 = std::min(K, k0 + kPanelDepth);
-        const bool last = k1 == K;
-        for (int64_t b = b0; b < b1; ++b) {
-          const int64_t m0 = b * rows_per, rows = std::min(rows_per, M - m0);
-          if (rows <= 0) continue;
-          kernels[rows - 1](x + m0 * K, K, pan, k0, k1, y + m0 * N + n, N, cols, k0 == 0,
-                            last && (scales || bias) ? sc : nullptr, bi);
-        }
-      }
+    for (int64_t j = 0; j < kPanel; ++j) {
+      sc[j] = scales && j < cols ? scales[n + j] : 1.f;
+      bi[j] = bias && j < cols ? bias[n + j] : 0.f;
+    }
+    const W* pan = wp + p * K * kPanel;
+    for (int64_t k0 = 0; k0 < K; k0 += kPanelDepth) {
+      const int64_t k1 = std::min(K, k0 + kPanelDepth);
+      const bool last = k1 == K;
+      blocks.each([&](int64_t m0, int64_t rows) {
+        kernels[rows - 1](x + m0 * K, K, pan, k0, k1, y + m0 * N + n, N, cols, k0 == 0,
+                          last && (scales || bias) ? sc : nullptr, bi);
+      });
     }
   });
 }
@@ -696,28 +714,17 @@ void pairs_gemm(const uint16_t* x, const uint16_t* wp, const float* bias, float*
                 uint16_t* y, int64_t M, int64_t N, int64_t Ke) {
   static constexpr auto kernels =
       pair_kernels(std::make_index_sequence<static_cast<size_t>(kRowBlock)>());
-  const int64_t P = (N + kPanel - 1) / kPanel, J = Ke / 2;
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t rows_per = (M + blocks - 1) / blocks;
-  const int64_t threads = at::get_num_threads();
-  const int64_t splits = std::min(blocks, std::max<int64_t>(1, (2 * threads + P - 1) / P));
-  at::parallel_for(0, P * splits, 1, [&](int64_t t0, int64_t t1) {
+  const int64_t J = Ke / 2;
+  for_panel_tasks(M, N, [&](int64_t p, int64_t n, int64_t cols, const RowBlocks& blocks) {
     alignas(64) float bi[kPanel];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p = t / splits, s = t % splits;
-      const int64_t n = p * kPanel, cols = std::min(kPanel, N - n);
-      for (int64_t c = 0; c < kPanel; ++c) bi[c] = bias && c < cols ? bias[n + c] : 0.f;
-      const int64_t b0 = s * blocks / splits, b1 = (s + 1) * blocks / splits;
-      const uint16_t* pan = wp + p * J * 2 * kPanel;
-      for (int64_t j0 = 0; j0 < J; j0 += kPairDepth) {
-        const int64_t j1 = std::min(J, j0 + kPairDepth);
-        for (int64_t b = b0; b < b1; ++b) {
-          const int64_t m0 = b * rows_per, rows = std::min(rows_per, M - m0);
-          if (rows <= 0) continue;
-          kernels[rows - 1](x + m0 * Ke, Ke, pan, j0, j1, yf ? yf + m0 * N + n : nullptr,
-                            y + m0 * N + n, N, cols, j0 == 0, j1 == J, bi);
-        }
-      }
+    for (int64_t c = 0; c < kPanel; ++c) bi[c] = bias && c < cols ? bias[n + c] : 0.f;
+    const uint16_t* pan = wp + p * J * 2 * kPanel;
+    for (int64_t j0 = 0; j0 < J; j0 += kPairDepth) {
+      const int64_t j1 = std::min(J, j0 + kPairDepth);
+      blocks.each([&](int64_t m0, int64_t rows) {
+        kernels[rows - 1](x + m0 * Ke, Ke, pan, j0, j1, yf ? yf + m0 * N + n : nullptr,
+                          y + m0 * N + n, N, cols, j0 == 0, j1 == J, bi);
+      });
     }
   });
 }
@@ -750,6 +757,11 @@ at::Tensor pack_bf16_pairs(const at::Tensor& w_in) {
 #endif
 }
 
+void check_out_features(const at::Tensor& w, int64_t N) {  // N fills w's last panel
+  TORCH_CHECK(N > (w.size(0) - 1) * kPanel && N <= w.size(0) * kPanel,
+              "packed_linear: out_features ", N, " does not fit ", w.size(0), " panels");
+}
+
 // y [..., N] = x [..., K] @ w^T (* scales) (+ bias) for a weight packed by pack_linear_weight:
 // fp32 math; y in x's dtype. `scales`: float32 [N] (int8 weights), else None.
 at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& w,
@@ -760,8 +772,7 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& w,
     TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
                     x_in.scalar_type() == at::kBFloat16 && !(scales.has_value() && scales->defined()),
                 "packed_linear: a pack_bf16_pairs weight takes bf16 x and no scales");
-    TORCH_CHECK(N > (w.size(0) - 1) * kPanel && N <= w.size(0) * kPanel,
-                "packed_linear: out_features ", N, " does not fit ", w.size(0), " panels");
+    check_out_features(w, N);
     const int64_t K = x_in.size(-1), J = w.size(1);
     TORCH_CHECK((K + 1) / 2 == J, "packed_linear: x has ", K, " features, w ", 2 * J);
     auto out_shape = x_in.sizes().vec();
@@ -784,8 +795,7 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& w,
   TORCH_CHECK(w.dim() == 3 && w.size(2) == kPanel && w.is_contiguous(),
               "packed_linear: w must be a contiguous [P, K, ", kPanel,
               "] weight from pack_linear_weight (built for this CPU ISA)");
-  TORCH_CHECK(N > (w.size(0) - 1) * kPanel && N <= w.size(0) * kPanel,
-              "packed_linear: out_features ", N, " does not fit ", w.size(0), " panels");
+  check_out_features(w, N);
   const int64_t K = w.size(1);
   auto [x, out_shape] = as_matrix(x_in, K, N, "packed_linear");
   const int64_t M = x.size(0);
