@@ -42,7 +42,9 @@ from ember import kernels
 from ember.host import cpu_has_amx
 
 # Weight-only quantization schemes (`EngineArgs.quantization`).
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
+# k values per scale of the group-quantized layout (GGUF's Q8_0 / Q4_0 / Q4_1 blocks).
+GROUP_SIZE = 32
 
 
 class PackedLinear(nn.Module):
@@ -205,3 +207,157 @@ def use_kernel_linears_(model: nn.Module, activations: torch.dtype) -> int:
 def quantize_int8_(model: nn.Module) -> int:
     """Replace every nn.Linear in `model` with an Int8Linear, in place; returns how many."""
     return _replace_linears(model, Int8Linear)
+
+
+def _panels(t: torch.Tensor) -> torch.Tensor:
+    """[N, C] -> [ceil(N / panel), C, panel], zeros past N: pack_linear_weight's layout."""
+    panel = kernels.panel_width()
+    rows, cols = t.shape
+    padded = t.new_zeros(-(-rows // panel) * panel, cols)
+    padded[:rows] = t
+    return padded.view(-1, panel, cols).transpose(1, 2).contiguous()
+
+
+def _from_panels(t: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+    """Rows (output channels) of a panel-packed [P, C, panel] tensor, as [..., C]."""
+    panel = t.shape[2]
+    if isinstance(rows, slice):
+        return t.transpose(1, 2).reshape(-1, t.shape[1])[rows]
+    return t[rows // panel, :, rows % panel]
+
+
+class GroupLinear(nn.Module):
+    """`y = x @ w.T + bias` with w in groups of 32 consecutive k of one output channel, each
+    with an fp16 scale d (and an fp16 offset m for asymmetric 4-bit codes): w = d q (`bits=8`,
+    q in [-127, 127]: GGUF's Q8_0), d (q - 8) (`bits=4` without offsets, q in [0, 15]: Q4_0) or
+    d q + m (`bits=4` with offsets: Q4_1, and `quantization="int4"`). The codes and scales are
+    packed into panels once (`_panels`; 4-bit codes two to a byte, k even in the low nibble)
+    and every step runs `ember_cpu::group_linear`: fp32 math, the codes widened in registers.
+    `codes [N, K]`, `scales`/`mins [N, K / 32]`."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+        bits: int,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        kernels.load()
+        if bits not in (4, 8):
+            raise ValueError(f"GroupLinear: bits must be 4 or 8, got {bits}")
+        n, k = codes.shape
+        if k % GROUP_SIZE or scales.shape != (n, k // GROUP_SIZE):
+            raise ValueError(
+                f"GroupLinear: codes [{n}, {k}] need K a multiple of {GROUP_SIZE} and scales "
+                f"[{n}, {k // GROUP_SIZE}], got {tuple(scales.shape)}"
+            )
+        if mins is not None and (bits != 4 or mins.shape != scales.shape):
+            raise ValueError("GroupLinear: offsets (mins) are for 4-bit codes, shaped as scales")
+        self.in_features, self.out_features, self.bits = k, n, bits
+        packed = _panels(codes.to(torch.int8 if bits == 8 else torch.uint8))
+        if bits == 4:
+            pairs = packed.view(packed.shape[0], k // 2, 2, -1)
+            packed = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+        self.register_buffer("codes", packed.contiguous())
+        self.register_buffer("scales", _panels(scales.to(torch.float16)))
+        self.register_buffer("mins", None if mins is None else _panels(mins.to(torch.float16)))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """HF code reads `proj.weight.dtype`/`.device`; the codes answer both."""
+        return self.codes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.ember_cpu.group_linear(
+            x, self.codes, self.scales, self.mins, self.bias, self.out_features, self.bits
+        )
+
+    def rows(self, ids: torch.Tensor | slice) -> torch.Tensor:
+        """Rows `ids` of the weight, dequantized to fp32: [..., K] (an embedding lookup, and
+        the reference the kernel is tested against)."""
+        codes = _from_panels(self.codes, ids)
+        if self.bits == 4:
+            codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
+        scales = _from_panels(self.scales, ids).float()[..., None]
+        groups = codes.unflatten(-1, (-1, GROUP_SIZE)).float()
+        if self.mins is not None:
+            w = groups * scales + _from_panels(self.mins, ids).float()[..., None]
+        elif self.bits == 4:
+            w = (groups - 8) * scales
+        else:
+            w = groups * scales
+        return w.flatten(-2)
+
+    def extra_repr(self) -> str:
+        kind = {8: "q8_0", 4: "q4_1" if self.mins is not None else "q4_0"}[self.bits]
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind} groups"
+
+
+class GroupEmbedding(nn.Module):
+    """An input embedding whose table is a `GroupLinear`'s weight (a quantized GGUF table, or
+    the LM head tied to it): each token's row is gathered and dequantized, and the table is
+    held once, quantized."""
+
+    def __init__(self, table: GroupLinear) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        self.table = table
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.table.codes
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of a group-quantized table"
+
+
+def quantize_groups(
+    w: torch.Tensor, bits: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(codes, scales, mins) of w [N, K] in groups of 32, as llama.cpp quantizes: `bits=8`
+    Q8_0 (d = max|w| / 127); `bits=4, symmetric=True` Q4_0 (d = the largest-magnitude value /
+    -8, q = round(w / d) + 8 in [0, 15]); `bits=4, symmetric=False` Q4_1 (d = (max - min) / 15,
+    m = min). Scales and offsets are rounded to fp16 before the codes are chosen."""
+    groups = w.detach().float().unflatten(-1, (-1, GROUP_SIZE))
+    mins = None
+    if bits == 8:
+        scales = (groups.abs().amax(-1) / 127).half()
+        inv = torch.where(scales > 0, 1 / scales.float(), 0)
+        codes = torch.round(groups * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    elif symmetric:
+        idx = groups.abs().argmax(-1, keepdim=True)
+        scales = (groups.gather(-1, idx)[..., 0] / -8).half()
+        inv = torch.where(scales != 0, 1 / scales.float(), 0)
+        codes = (torch.round(groups * inv[..., None]) + 8).clamp(0, 15).to(torch.uint8)
+    else:
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        scales, mins = ((hi - lo) / 15).half(), lo.half()
+        inv = torch.where(scales > 0, 1 / scales.float(), 0)
+        codes = torch.round((groups - mins.float()[..., None]) * inv[..., None]).clamp(0, 15)
+        codes = codes.to(torch.uint8)
+    return codes.flatten(-2), scales, mins
+
+
+def quantize_int4_(model: nn.Module, symmetric: bool = False) -> int:
+    """Replace every nn.Linear of `model` with a 4-bit `GroupLinear`, in place, one layer at a
+    time (each weight is widened to fp32 only while it is quantized); a linear whose input size
+    is not a multiple of 32 becomes an `Int8Linear`. Returns how many were replaced."""
+
+    def make(linear: nn.Linear) -> nn.Module:
+        if linear.in_features % GROUP_SIZE:
+            return Int8Linear(linear)
+        codes, scales, mins = quantize_groups(linear.weight, 4, symmetric)
+        return GroupLinear(codes, scales, mins, 4, linear.bias)
+
+    return _replace_linears(model, make)

@@ -26,6 +26,12 @@ x's dtype.
 32 channels adjacent, which `packed_linear` multiplies with vdpbf16ps (bf16 products, fp32
 sums, y rounded to bf16 once): twice the fp32 FMA's multiply-adds per instruction.
 
+`ember_cpu::group_linear(x, codes, scales, mins?, bias?, out_features, bits)`: group-quantized
+weights (GGUF's Q8_0, Q4_0 and Q4_1 blocks; `quantization="int4"`): 8- or 4-bit codes in groups
+of 32 k with fp16 scales (and offsets), packed in the same panels; see
+`ember.compiler.quant.GroupLinear`. fp16 weights (GGUF's F16 tensors) pack as bf16 ones do and
+are widened exactly.
+
 `ember_cpu::bf16_linear(x, w_bf16, bias?)`: bf16 weights in the checkpoint's [N, K] layout (bf16
 activations on AMX CPUs, and LM heads tied to the input embedding): the
 dot-product GEMV for decodes, ATen's bf16 GEMM (AMX / AVX512-BF16) above with bf16
@@ -74,6 +80,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("ember_cpu::packed_linear", _packed_linear_fake)
     torch.library.register_fake("ember_cpu::pack_linear_weight", _pack_fake)
     torch.library.register_fake("ember_cpu::pack_bf16_pairs", _pack_pairs_fake)
+    torch.library.register_fake("ember_cpu::group_linear", _group_linear_fake)
 
 
 def _linear_fake(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Tensor:
@@ -84,6 +91,14 @@ def _linear_fake(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Tenso
 def _packed_linear_fake(
     x: torch.Tensor, w: torch.Tensor, scales: object, bias: object, out_features: int
 ) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _group_linear_fake(
+    x: torch.Tensor, codes: torch.Tensor, *args: object
+) -> torch.Tensor:
+    out_features = args[3]
+    assert isinstance(out_features, int)
     return x.new_empty((*x.shape[:-1], out_features))
 
 

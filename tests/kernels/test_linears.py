@@ -87,7 +87,8 @@ def test_linears_keep_leading_dims_and_opcheck():
         torch.library.opcheck(torch.ops.ember_cpu.bf16_linear.default, (xb, wb, bb))
 
 
-PACKED_DTYPES = [torch.float32, torch.bfloat16, torch.int8]
+PACKED_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
+PACKED_IDS = ["fp32", "bf16", "fp16", "int8"]
 
 
 def _packed_case(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool = True):
@@ -112,7 +113,7 @@ def _packed_case(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool = Tru
 PACKED_ROWS = [1, 2, 3, 5, 6, 7, 8, 11, 12, 13, 25, 64, 130]
 
 
-@pytest.mark.parametrize("dtype", PACKED_DTYPES, ids=["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("dtype", PACKED_DTYPES, ids=PACKED_IDS)
 @pytest.mark.parametrize("rows", PACKED_ROWS)
 def test_packed_linear_matches_float64(dtype, rows):
     # n = 45: one full panel plus a partial one (16-wide AVX2 panels: 2 full + 13); k = 67: no
@@ -124,7 +125,7 @@ def test_packed_linear_matches_float64(dtype, rows):
     torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=1e-4)  # fp32 sums of 67 terms
 
 
-@pytest.mark.parametrize("dtype", PACKED_DTYPES, ids=["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("dtype", PACKED_DTYPES, ids=PACKED_IDS)
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (3, 2050), (257, 1030), (64, 1024)])
 @pytest.mark.parametrize("rows", [1, 4, 19])
 def test_packed_linear_odd_shapes_and_k_slices(dtype, n, k, rows):
@@ -147,6 +148,7 @@ def test_pack_layout_is_panels_of_output_channels():
         assert torch.equal(packed[n // panel, :, n % panel], w[n])
     assert not packed[-1, :, 50 % panel :].any()  # zeros past N
     assert torch.equal(torch.ops.ember_cpu.pack_linear_weight(w.bfloat16()).float(), packed)
+    assert torch.equal(torch.ops.ember_cpu.pack_linear_weight(w.half()).float(), packed)
 
 
 def test_packed_linear_contract():
@@ -164,8 +166,8 @@ def test_packed_linear_contract():
         torch.ops.ember_cpu.packed_linear(x, packed, scales, b, 200)
     with pytest.raises(RuntimeError, match="scales"):
         torch.ops.ember_cpu.packed_linear(x, packed, scales[:3], b, 45)
-    with pytest.raises(RuntimeError, match="float32, bfloat16 or int8"):
-        torch.ops.ember_cpu.pack_linear_weight(torch.zeros(4, 4, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="float32, bfloat16, float16 or int8"):
+        torch.ops.ember_cpu.pack_linear_weight(torch.zeros(4, 4, dtype=torch.float64))
 
 
 needs_pairs = pytest.mark.skipif(
@@ -226,6 +228,82 @@ def test_bf16_pairs_layout_and_contract():
         torch.ops.ember_cpu.packed_linear(x.float(), packed, None, b, 45)
     with pytest.raises(RuntimeError, match="features"):
         torch.ops.ember_cpu.packed_linear(x[:, :60], packed, None, b, 45)
+
+
+# ---- group-quantized weights (GGUF Q8_0 / Q4_0 / Q4_1, int4) ----
+
+GROUP_KINDS = [(8, True), (4, True), (4, False)]
+GROUP_IDS = ["q8_0", "q4_0", "q4_1"]
+
+
+def _group_case(rows: int, n: int, k: int, bits: int, symmetric: bool, bias: bool = True):
+    """Random codes and fp16 scales/offsets, and the float64 product with their values
+    written out: w = d q (8-bit), d (q - 8) (4-bit symmetric), d q + m (4-bit asymmetric)."""
+    g = torch.Generator().manual_seed(rows * 7919 + n * 31 + k + bits)
+    x = torch.randn(rows, k, generator=g)
+    low, high = (-127, 128) if bits == 8 else (0, 16)
+    codes = torch.randint(low, high, (n, k), generator=g).to(torch.int8 if bits == 8 else torch.uint8)
+    scales = (torch.rand(n, k // 32, generator=g) * 0.1 + 0.001).half()
+    mins = None if symmetric else (torch.randn(n, k // 32, generator=g) * 0.3).half()
+    b = torch.randn(n, generator=g) if bias else None
+    q = codes.double().view(n, -1, 32)
+    if bits == 4 and symmetric:
+        q = q - 8
+    w = q * scales.double()[..., None]
+    if mins is not None:
+        w = w + mins.double()[..., None]
+    ref = x.double() @ w.view(n, k).t() + (b.double() if b is not None else 0)
+    return x, codes, scales, mins, b, ref
+
+
+@pytest.mark.parametrize(("bits", "symmetric"), GROUP_KINDS, ids=GROUP_IDS)
+@pytest.mark.parametrize("rows", PACKED_ROWS)
+@pytest.mark.parametrize(("n", "k"), [(45, 64), (1, 32), (257, 1056), (64, 2080)])
+def test_group_linear_matches_float64(bits, symmetric, rows, n, k):
+    """Every row-block size (a single row has its own group-sum loop), partial panels, a single
+    channel, k past one 1024-deep slice."""
+    from ember.compiler.quant import GroupLinear
+
+    x, codes, scales, mins, b, ref = _group_case(rows, n, k, bits, symmetric, bias=n != 64)
+    linear = GroupLinear(codes, scales, mins, bits, b)
+    out = linear(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
+    torch.testing.assert_close(out.double(), ref, atol=2e-3 * (k / 64) ** 0.5, rtol=1e-4)
+    # The layout round-trips: the rows the embedding gathers are the weight's exact values.
+    w = linear.rows(torch.arange(n))
+    torch.testing.assert_close(x.double() @ w.double().t() + (b.double() if b is not None else 0), ref)
+
+
+def test_group_linear_contract():
+    from ember.compiler.quant import GroupLinear, quantize_groups
+
+    x, codes, scales, mins, b, _ = _group_case(5, 45, 64, 4, False)
+    linear = GroupLinear(codes, scales, mins, 4, b)
+    panel = kernels.panel_width()
+    assert linear.codes.shape == (-(-45 // panel), 32, panel) and linear.codes.dtype == torch.uint8
+    assert linear.scales.shape == (-(-45 // panel), 2, panel)
+    out = linear(x.view(1, 5, 64).bfloat16())
+    assert out.shape == (1, 5, 45) and out.dtype == torch.bfloat16  # y in x's dtype
+    for rows in (0, 1, 13):
+        args = (torch.randn(rows, 64), linear.codes, linear.scales, linear.mins, b, 45, 4)
+        torch.library.opcheck(torch.ops.ember_cpu.group_linear.default, args)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        torch.ops.ember_cpu.group_linear(x, linear.codes, linear.scales, None, b, 45, 5)
+    with pytest.raises(RuntimeError, match="offsets are for 4-bit"):
+        torch.ops.ember_cpu.group_linear(x, linear.codes, linear.scales, linear.scales, b, 45, 8)
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.ember_cpu.group_linear(x[:, :32], linear.codes, linear.scales, None, b, 45, 4)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        GroupLinear(codes[:, :40], scales, None, 4)
+    # quantize_groups: llama.cpp's rules, each weight within half a step of its group's scale
+    # (Q4_0 clips the far end of its range, +8 steps: up to one step there).
+    w = torch.randn(7, 96)
+    for bits, symmetric in GROUP_KINDS:
+        c, d, m = quantize_groups(w, bits, symmetric)
+        back = GroupLinear(c, d, m, bits).rows(torch.arange(7))
+        step = d.float().repeat_interleave(32, dim=1).abs()
+        bound = 1.0 if (bits, symmetric) == (4, True) else 0.5
+        assert ((back - w).abs() <= step * bound + 1e-3).all(), (bits, symmetric)
 
 
 def test_avx2_build_passes_the_same_checks():

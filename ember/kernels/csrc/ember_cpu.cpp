@@ -49,6 +49,9 @@ inline vfloat vwiden(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shif
   return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
 }
 inline vfloat vwiden(const float* p) { return _mm512_loadu_ps(p); }
+inline vfloat vwiden(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
 inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
@@ -75,6 +78,9 @@ inline vfloat vwiden(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
 }
 inline vfloat vwiden(const float* p) { return _mm256_loadu_ps(p); }
+inline vfloat vwiden(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
 inline float vsum(vfloat v) {
@@ -168,6 +174,7 @@ inline vfloat vexp(vfloat x) {
 inline float to_float(float v) { return v; }
 inline float to_float(int8_t v) { return static_cast<float>(v); }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(c10::Half v) { return static_cast<float>(v); }
 
 // Rows n0..n0+rows-1 of the weight, widened to fp32, into dst [rows, K].
 template <typename W>
@@ -525,9 +532,9 @@ struct RowBlocks {
 // of them, so decodes stream contiguous memory), split by row blocks too when there are too few
 // panels to keep every thread busy. Calls task(panel, first channel, channels, row blocks).
 template <typename Task>
-void for_panel_tasks(int64_t M, int64_t N, const Task& task) {
+void for_panel_tasks(int64_t M, int64_t N, const Task& task, int64_t row_block = kRowBlock) {
   const int64_t P = (N + kPanel - 1) / kPanel;
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t blocks = (M + row_block - 1) / row_block;
   const int64_t rows_per = (M + blocks - 1) / blocks;
   const int64_t threads = at::get_num_threads();
   const int64_t splits = std::min(blocks, std::max<int64_t>(1, (2 * threads + P - 1) / P));
@@ -595,13 +602,14 @@ at::Tensor pack_linear_weight(const at::Tensor& w_in) {
       pack_panels(w.data_ptr<float>(), out.data_ptr<float>(), N, K);
       break;
     case at::kBFloat16:
+    case at::kHalf:
       pack_panels(reinterpret_cast<const uint16_t*>(w.data_ptr()),
                   reinterpret_cast<uint16_t*>(out.data_ptr()), N, K);
       break;
     case at::kChar:
       pack_panels(w.data_ptr<int8_t>(), out.data_ptr<int8_t>(), N, K);
       break;
-    default: TORCH_CHECK(false, "pack_linear_weight: w must be float32, bfloat16 or int8");
+    default: TORCH_CHECK(false, "pack_linear_weight: w must be float32, bfloat16, float16 or int8");
   }
   return out;
 }
@@ -816,8 +824,287 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& w,
     case at::kBFloat16:
       packed_gemm(xp, w.data_ptr<c10::BFloat16>(), sp, bp, yp, M, N, K);
       break;
+    case at::kHalf: packed_gemm(xp, w.data_ptr<c10::Half>(), sp, bp, yp, M, N, K); break;
     case at::kChar: packed_gemm(xp, w.data_ptr<int8_t>(), sp, bp, yp, M, N, K); break;
-    default: TORCH_CHECK(false, "packed_linear: w must be float32, bfloat16 or int8");
+    default: TORCH_CHECK(false, "packed_linear: w must be float32, bfloat16, float16 or int8");
+  }
+  return y.view(out_shape).to(x_in.scalar_type());
+}
+
+// ---- Group-quantized linears: GGUF's Q8_0, Q4_0 and Q4_1, and ember's int4 ----
+//
+// A weight [N, K] in groups of kGroup = 32 consecutive k of one output channel, each group with
+// an fp16 scale d and, for asymmetric 4-bit codes, an fp16 offset m: w = d * q (8-bit codes in
+// [-128, 127]), d * (q - 8) (symmetric 4-bit codes in [0, 15]) or d * q + m (asymmetric): the
+// values of GGUF's Q8_0, Q4_0 and Q4_1 blocks exactly (d * q is exact in fp32, so the one
+// rounding of d * q + m is llama.cpp's). Packed in panels as pack_linear_weight's (see
+// ember.compiler.quant.GroupLinear): codes [P, K, kPanel] int8, or [P, K / 2, kPanel] uint8 for
+// 4 bits (k even in the low nibble, k + 1 in the high one); d and m [P, K / kGroup, kPanel] fp16.
+// A block of rows widens each code vector to the fp32 weight in registers (a convert and one
+// multiply or FMA, shared by every row) and runs packed_gemm's outer product; a single row
+// (decode) sums x * code over each group and scales the group's sum once: d * sum(x q) (+ m *
+// sum(x)), fewer instructions per weight byte, which keeps 4-bit decodes memory-bound.
+constexpr int64_t kGroup = 32;
+#ifdef EMBER_SIMD
+// Rows per register block: 2 * rows accumulators + d, m, two weights and a broadcast.
+constexpr int kGroupRowBlock = kLanes == 16 ? 12 : 4;
+#if defined(__AVX512F__)
+inline __m512i codes_u8(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512i codes_i8(const uint8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vfloat vhalf(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline vfloat vcvt(__m512i v) { return _mm512_cvtepi32_ps(v); }
+inline __m512i low4(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi32(15)); }
+inline __m512i high4(__m512i v) { return _mm512_srli_epi32(v, 4); }
+#else
+inline __m256i codes_u8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i codes_i8(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline vfloat vhalf(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vfloat vcvt(__m256i v) { return _mm256_cvtepi32_ps(v); }
+inline __m256i low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi32(15)); }
+inline __m256i high4(__m256i v) { return _mm256_srli_epi32(v, 4); }
+#endif
+#else
+constexpr int kGroupRowBlock = 4;
+#endif
+
+// The code of channel j, value k of a panel (scalar path and tests of the layout).
+template <int Bits>
+inline float group_code(const uint8_t* pan, int64_t k, int64_t j) {
+  if constexpr (Bits == 8) return static_cast<float>(static_cast<int8_t>(pan[k * kPanel + j]));
+  const uint8_t b = pan[(k / 2) * kPanel + j];
+  return static_cast<float>(k & 1 ? b >> 4 : b & 15);
+}
+
+// y[m0 .. m0+MR-1, n .. n+cols-1] (+)= x[.., groups g0:g1] @ panel; `first`: y is not read;
+// `bi` (the last slice only): plus bias. `xs` [MR, K / kGroup]: x summed over each group (the
+// offset term of a single row with 4-bit codes).
+template <int MR, int Bits, bool Min>
+inline void group_rows(const float* x, int64_t K, const uint8_t* pan, const uint16_t* dp,
+                       const uint16_t* mp, int64_t g0, int64_t g1, float* y, int64_t N,
+                       int64_t cols, bool first, const float* bi, const float* xs) {
+  constexpr int64_t kRow = Bits == 8 ? kPanel : kPanel / 2;  // code bytes per k of a panel
+#ifdef EMBER_SIMD
+  vfloat a0[MR], a1[MR];
+  const int64_t c0 = std::min<int64_t>(cols, kLanes), c1 = cols - c0;
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    a0[r] = first ? vzero() : vload_n(y + r * N, c0);
+    a1[r] = first ? vzero() : vload_n(y + r * N + kLanes, c1);
+  }
+  const int64_t G = K / kGroup;
+  for (int64_t g = g0; g < g1; ++g) {
+    const vfloat d0 = vhalf(dp + g * kPanel), d1 = vhalf(dp + g * kPanel + kLanes);
+    vfloat m0 = vzero(), m1 = vzero();
+    if constexpr (Bits == 4) {
+      if constexpr (Min) {
+        m0 = vhalf(mp + g * kPanel);
+        m1 = vhalf(mp + g * kPanel + kLanes);
+      } else {
+        m0 = vmul(d0, vset1(-8.f));
+        m1 = vmul(d1, vset1(-8.f));
+      }
+    }
+    const uint8_t* q = pan + g * kGroup * kRow;
+    const float* xg = x + g * kGroup;
+    const char* ahead = reinterpret_cast<const char*>(q) + kPanelPrefetchBytes;
+#pragma GCC unroll 16
+    for (int64_t l = 0; l < kGroup * kRow; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+    if constexpr (MR == 1) {
+      // sum(x q) per channel over the group in four chains per half, scaled once.
+      vfloat t0[4] = {vzero(), vzero(), vzero(), vzero()};
+      vfloat t1[4] = {vzero(), vzero(), vzero(), vzero()};
+      if constexpr (Bits == 8) {
+        for (int64_t i = 0; i < kGroup; i += 4) {
+#pragma GCC unroll 4
+          for (int u = 0; u < 4; ++u) {
+            const vfloat xb = vset1(xg[i + u]);
+            t0[u] = vfma(xb, vcvt(codes_i8(q + (i + u) * kPanel)), t0[u]);
+            t1[u] = vfma(xb, vcvt(codes_i8(q + (i + u) * kPanel + kLanes)), t1[u]);
+          }
+        }
+      } else {
+        for (int64_t i = 0; i < kGroup / 2; i += 2) {
+#pragma GCC unroll 2
+          for (int u = 0; u < 2; ++u) {
+            const auto b0 = codes_u8(q + (i + u) * kPanel);
+            const auto b1 = codes_u8(q + (i + u) * kPanel + kLanes);
+            const vfloat xe = vset1(xg[2 * (i + u)]), xo = vset1(xg[2 * (i + u) + 1]);
+            t0[2 * u] = vfma(xe, vcvt(low4(b0)), t0[2 * u]);
+            t1[2 * u] = vfma(xe, vcvt(low4(b1)), t1[2 * u]);
+            t0[2 * u + 1] = vfma(xo, vcvt(high4(b0)), t0[2 * u + 1]);
+            t1[2 * u + 1] = vfma(xo, vcvt(high4(b1)), t1[2 * u + 1]);
+          }
+        }
+      }
+      const vfloat s0 = vadd(vadd(t0[0], t0[1]), vadd(t0[2], t0[3]));
+      const vfloat s1 = vadd(vadd(t1[0], t1[1]), vadd(t1[2], t1[3]));
+      a0[0] = vfma(s0, d0, a0[0]);
+      a1[0] = vfma(s1, d1, a1[0]);
+      if constexpr (Bits == 4) {
+        const vfloat xsum = vset1(xs[g]);
+        a0[0] = vfma(xsum, m0, a0[0]);
+        a1[0] = vfma(xsum, m1, a1[0]);
+      }
+    } else if constexpr (Bits == 8) {
+      for (int64_t i = 0; i < kGroup; ++i) {
+        const vfloat w0 = vmul(vcvt(codes_i8(q + i * kPanel)), d0);
+        const vfloat w1 = vmul(vcvt(codes_i8(q + i * kPanel + kLanes)), d1);
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r) {
+          const vfloat xb = vset1(xg[r * K + i]);
+          a0[r] = vfma(xb, w0, a0[r]);
+          a1[r] = vfma(xb, w1, a1[r]);
+        }
+      }
+    } else {
+      for (int64_t i = 0; i < kGroup / 2; ++i) {
+        const auto b0 = codes_u8(q + i * kPanel), b1 = codes_u8(q + i * kPanel + kLanes);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const vfloat w0 = vfma(vcvt(h ? high4(b0) : low4(b0)), d0, m0);
+          const vfloat w1 = vfma(vcvt(h ? high4(b1) : low4(b1)), d1, m1);
+#pragma GCC unroll 16
+          for (int r = 0; r < MR; ++r) {
+            const vfloat xb = vset1(xg[r * K + 2 * i + h]);
+            a0[r] = vfma(xb, w0, a0[r]);
+            a1[r] = vfma(xb, w1, a1[r]);
+          }
+        }
+      }
+    }
+  }
+  (void)G;
+  if (bi) {
+    const vfloat b0 = vload(bi), b1 = vload(bi + kLanes);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      a0[r] = vadd(a0[r], b0);
+      a1[r] = vadd(a1[r], b1);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    vstore_n(y + r * N, a0[r], c0);
+    vstore_n(y + r * N + kLanes, a1[r], c1);
+  }
+#else
+  (void)xs;
+  for (int r = 0; r < MR; ++r) {
+    for (int64_t j = 0; j < cols; ++j) {
+      float acc = first ? 0.f : y[r * N + j];
+      for (int64_t g = g0; g < g1; ++g) {
+        const float d = static_cast<float>(c10::Half(dp[g * kPanel + j], c10::Half::from_bits()));
+        float m = 0.f;
+        if constexpr (Bits == 4) {
+          m = Min ? static_cast<float>(c10::Half(mp[g * kPanel + j], c10::Half::from_bits()))
+                  : -8.f * d;
+        }
+        for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+          acc += x[r * K + k] * (group_code<Bits>(pan, k, j) * d + m);
+        }
+      }
+      y[r * N + j] = bi ? acc + bi[j] : acc;
+    }
+  }
+#endif
+}
+
+using GroupKernel = void (*)(const float*, int64_t, const uint8_t*, const uint16_t*,
+                             const uint16_t*, int64_t, int64_t, float*, int64_t, int64_t, bool,
+                             const float*, const float*);
+
+template <int Bits, bool Min, size_t... R>
+constexpr std::array<GroupKernel, sizeof...(R)> group_kernels(std::index_sequence<R...>) {
+  return {&group_rows<static_cast<int>(R) + 1, Bits, Min>...};
+}
+
+// y [M, N] = x [M, K] @ w^T + bias, w group-quantized and packed (see above).
+template <int Bits, bool Min>
+void group_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const uint16_t* m,
+                const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  static constexpr auto kernels =
+      group_kernels<Bits, Min>(std::make_index_sequence<static_cast<size_t>(kGroupRowBlock)>());
+  constexpr int64_t kRow = Bits == 8 ? kPanel : kPanel / 2;
+  const int64_t G = K / kGroup;
+  std::vector<float> xs(Bits == 4 ? M * G : 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(xs.size()); ++i) {
+    const float* xg = x + i * kGroup;  // row i / G, group i % G: consecutive in x
+    float s = 0.f;
+    for (int64_t k = 0; k < kGroup; ++k) s += xg[k];
+    xs[i] = s;
+  }
+  for_panel_tasks(
+      M, N,
+      [&](int64_t p, int64_t n, int64_t cols, const RowBlocks& blocks) {
+        alignas(64) float bi[kPanel];
+        for (int64_t j = 0; j < kPanel; ++j) bi[j] = bias && j < cols ? bias[n + j] : 0.f;
+        const uint8_t* pan = codes + p * K * kRow;
+        const uint16_t* dp = d + p * G * kPanel;
+        const uint16_t* mp = m ? m + p * G * kPanel : nullptr;
+        for (int64_t ga = 0; ga < G; ga += kPanelDepth / kGroup) {
+          const int64_t gb = std::min(G, ga + kPanelDepth / kGroup);
+          blocks.each([&](int64_t m0, int64_t rows) {
+            kernels[rows - 1](x + m0 * K, K, pan, dp, mp, ga, gb, y + m0 * N + n, N, cols,
+                              ga == 0, gb == G && bias ? bi : nullptr,
+                              xs.empty() ? nullptr : xs.data() + m0 * G);
+          });
+        }
+      },
+      kGroupRowBlock);
+}
+
+// y [..., N] = x [..., K] @ w^T (+ bias) for a group-quantized weight (see above): `codes` [P,
+// K, kPanel] int8 (bits 8) or [P, K / 2, kPanel] uint8 (bits 4), `scales` and `mins` (bits 4,
+// asymmetric; else None) [P, K / 32, kPanel] fp16. fp32 math; y in x's dtype.
+at::Tensor group_linear(const at::Tensor& x_in, const at::Tensor& codes,
+                        const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                        const std::optional<at::Tensor>& bias, int64_t N, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "group_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kPanel && codes.is_contiguous() &&
+                  codes.element_size() == 1,
+              "group_linear: codes must be a contiguous 1-byte [P, K, ", kPanel,
+              "] tensor (packed for this CPU ISA)");
+  check_out_features(codes, N);
+  const int64_t K = bits == 8 ? codes.size(1) : 2 * codes.size(1), G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0, "group_linear: K must be a multiple of ", kGroup);
+  const bool has_min = mins.has_value() && mins->defined();
+  TORCH_CHECK(!has_min || bits == 4, "group_linear: offsets are for 4-bit codes only");
+  for (const at::Tensor* t : {&scales, has_min ? &*mins : &scales}) {
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == codes.size(0) && t->size(1) == G && t->size(2) == kPanel,
+                "group_linear: scales and mins must be contiguous fp16 [", codes.size(0), ", ",
+                G, ", ", kPanel, "]");
+  }
+  auto [x, out_shape] = as_matrix(x_in, K, N, "group_linear");
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M > 0) {
+    at::Tensor b;
+    const float* bp = bias_ptr(bias, b);
+    const auto* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+    const auto* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+    const auto* mp = has_min ? reinterpret_cast<const uint16_t*>(mins->data_ptr()) : nullptr;
+    const float* xp = x.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    if (bits == 8) {
+      group_gemm<8, false>(xp, cp, dp, nullptr, bp, yp, M, N, K);
+    } else if (has_min) {
+      group_gemm<4, true>(xp, cp, dp, mp, bp, yp, M, N, K);
+    } else {
+      group_gemm<4, false>(xp, cp, dp, nullptr, bp, yp, M, N, K);
+    }
   }
   return y.view(out_shape).to(x_in.scalar_type());
 }
@@ -1054,6 +1341,9 @@ TORCH_LIBRARY(ember_cpu, m) {
   m.def(
       "packed_linear(Tensor x, Tensor w, Tensor? scales, Tensor? bias, int out_features) -> "
       "Tensor");
+  m.def(
+      "group_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? bias, "
+      "int out_features, int bits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
@@ -1063,4 +1353,5 @@ TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("packed_linear", &packed_linear);
   m.impl("pack_bf16_pairs", &pack_bf16_pairs);
+  m.impl("group_linear", &group_linear);
 }
