@@ -57,6 +57,8 @@ class ModelSpec:
     num_kv_layers: int
     num_kv_heads: int
     head_dim: int
+    # The checkpoint is this GGUF file (in `model_dir`), not an HF directory.
+    gguf_file: str | None = None
 
     @property
     def auto_class(self) -> Any:
@@ -81,9 +83,18 @@ class ModelSpec:
 
 
 def read_model_spec(model_dir: str) -> ModelSpec:
-    """Read a local checkpoint directory's config (offline) and classify it; raises
-    `UnsupportedModelError` naming the architecture for anything ember cannot serve."""
-    config = load_hf_config(model_dir)
+    """Read a local checkpoint directory's config, or a GGUF file's metadata (offline), and
+    classify it; raises `UnsupportedModelError` naming the architecture for anything ember
+    cannot serve."""
+    gguf_file = None
+    if model_dir.lower().endswith(".gguf"):
+        from ember.compiler.gguf import load_gguf_config  # noqa: PLC0415  (imports gguf)
+
+        config = load_gguf_config(model_dir)
+        gguf_file = os.path.abspath(model_dir)
+        model_dir = os.path.dirname(gguf_file)
+    else:
+        config = load_hf_config(model_dir)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
@@ -98,6 +109,7 @@ def read_model_spec(model_dir: str) -> ModelSpec:
         num_kv_layers=num_layers,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
+        gguf_file=gguf_file,
     )
 
 

@@ -22,8 +22,16 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from ember import kernels
 from ember.attention import AttentionBackend
 from ember.compiler.hf_bridge import register_attention
+from ember.host import release_free_heap
 from ember.compiler.hf_config import ModelSpec, UnsupportedModelError
-from ember.compiler.quant import GemvLinear, PackedLinear, quantize_int8_, use_kernel_linears_
+from ember.compiler.quant import (
+    GemvLinear,
+    GroupLinear,
+    PackedLinear,
+    quantize_int4_,
+    quantize_int8_,
+    use_kernel_linears_,
+)
 from ember.lora.layers import LoRALinear, install_lora
 
 logger = logging.getLogger("ember")
@@ -85,15 +93,23 @@ def load_model(
     .bin files when there are no safetensors); the checkpoint's own code never runs
     (`trust_remote_code=False`).
     """
+    if spec.gguf_file is not None:
+        return _load_gguf(spec, dtype, backend, cpu_isa)
     weight_dtype = weight_dtype or dtype
     narrow = weight_dtype != dtype and quantization is None
     if narrow and not kernels.available(cpu_isa):
         logger.warning("ember's kernels are unavailable: linear weights stored in %s", dtype)
         weight_dtype, narrow = dtype, False
+    load_dtype = weight_dtype
+    if quantization is not None and spec.checkpoint_dtype in (torch.bfloat16, torch.float16):
+        # Quantized one linear at a time from the checkpoint's own 16-bit tensors (views of
+        # the mapped file), never from an fp32 copy of the whole model.
+        load_dtype = narrow_dtype = spec.checkpoint_dtype
+        narrow = narrow_dtype != dtype
     try:
         model = spec.auto_class.from_pretrained(
             spec.model_dir,
-            dtype=weight_dtype,
+            dtype=load_dtype,
             attn_implementation=register_attention(backend),
             local_files_only=True,
             use_safetensors=True if load_format == "safetensors" else None,
@@ -110,15 +126,20 @@ def load_model(
     if quantization == "int8":
         kernels.load(cpu_isa)
         quantize_int8_(model)
+    elif quantization == "int4":
+        kernels.load(cpu_isa)
+        quantize_int4_(model)
     elif (kernel_linears or narrow) and kernels.available(cpu_isa):
         use_kernel_linears_(model, dtype)
     if narrow:
         _widen_all_but_linear_weights(model, dtype)
     _release_checkpoint_mapping(model, spec.model_dir)
+    tokenizer = load_tokenizer(spec.model_dir)
+    release_free_heap()
     return LoadedModel(
         model=model,
         spec=spec,
-        tokenizer=load_tokenizer(spec.model_dir),
+        tokenizer=tokenizer,
         dtype=dtype,
         weight_dtype=weight_dtype,
         quantization=quantization,
@@ -131,12 +152,45 @@ def load_model(
     )
 
 
+def _load_gguf(
+    spec: ModelSpec, dtype: torch.dtype, backend: AttentionBackend, cpu_isa: str
+) -> LoadedModel:
+    """A GGUF file (`ember.compiler.gguf`): Q8_0/Q4_0/Q4_1 weights kept as the file's groups,
+    the rest in their own 16/32-bit types or dequantized to bf16; math in `dtype`."""
+    from ember.compiler.gguf import load_gguf_model, load_gguf_tokenizer
+
+    assert spec.gguf_file is not None
+    if not kernels.available(cpu_isa):
+        raise UnsupportedModelError(
+            "GGUF files run on ember's C++ kernels, which cannot be built here"
+        )
+    model = load_gguf_model(
+        spec.gguf_file, spec.hf_config, spec.auto_class, register_attention(backend)
+    )
+    use_kernel_linears_(model, dtype)
+    _widen_all_but_linear_weights(model, dtype)
+    tokenizer = load_gguf_tokenizer(spec.gguf_file)
+    release_free_heap()
+    return LoadedModel(
+        model=model,
+        spec=spec,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        weight_dtype=dtype,
+        quantization="gguf",
+        attention_backend=backend.name,
+        cpu_isa=cpu_isa,
+        kv_layer_shapes=kv_layer_shapes(model, spec),
+    )
+
+
 def _widen_all_but_linear_weights(model: PreTrainedModel, dtype: torch.dtype) -> None:
     """Every floating parameter and buffer in `dtype`, except the weights ember's linears read
-    narrow and the input embedding table, whose output is widened instead (a tied LM head
-    shares that table, so it stays one tensor)."""
+    narrow (and every tensor of a group-quantized one) and the input embedding table, whose
+    output is widened instead (a tied LM head shares that table, so it stays one tensor)."""
     embed = model.get_input_embeddings()
     keep = {id(m.weight) for m in model.modules() if isinstance(m, (GemvLinear, PackedLinear))}
+    keep.update(id(t) for m in model.modules() if isinstance(m, GroupLinear) for t in m.buffers())
     keep.add(id(embed.weight))
     for module in model.modules():
         for param in module.parameters(recurse=False):

@@ -43,7 +43,7 @@ def _help(text: str, **extra: Any) -> Any:
 class EngineArgs:
     """Every engine knob a user sets, with its default (vLLM meaning where vLLM has the knob).
 
-    `model` is a local HF checkpoint directory. See `create_engine_config` for validation: bad
+    `model` is a local HF checkpoint directory or a GGUF file (`*.gguf`). See `create_engine_config` for validation: bad
     values raise `ValueError` naming the knob and the range.
     """
 
@@ -59,7 +59,8 @@ class EngineArgs:
     quantization: str | None = field(
         default=None,
         metadata=_help(
-            "weight-only quantization of every linear layer (math in float32)",
+            "weight-only quantization of every linear layer (math in float32): int8 = one "
+            "scale per output channel, int4 = groups of 32 with a scale and offset each",
             choices=QUANTIZATIONS,
         ),
     )
@@ -119,8 +120,16 @@ class EngineArgs:
         dtype, quantization = self.dtype, self.quantization
         if dtype == "int8":
             dtype, quantization = "float32", "int8"
-        if quantization == "int8" and dtype == "auto":
-            dtype = "float32"  # int8 weights compute in fp32 on every CPU
+        if quantization is not None and dtype == "auto":
+            dtype = "float32"  # quantized weights compute in fp32 on every CPU
+        if spec.gguf_file is not None:
+            if quantization is not None:
+                raise ValueError(
+                    f"quantization={quantization!r} cannot apply to a GGUF file: its tensors "
+                    "are already quantized (Q8_0/Q4_0/Q4_1 run as they are)"
+                )
+            if self.enable_lora:
+                raise ValueError("enable_lora=True is not supported with a GGUF model")
         max_positions = spec.max_positions
         if spec.task == "embed":
             # sentence-transformers' own input limit, when it ships one (all-MiniLM-L6-v2: 256).
@@ -263,7 +272,7 @@ class EngineConfig:
     model_spec: ModelSpec = field(compare=False, repr=False)
     dtype: torch.dtype  # activations, KV cache and every parameter but the linear weights
     weight_dtype: torch.dtype  # linear weights (unless quantized)
-    # Weight-only quantization of every linear layer: None or "int8" (per-output-channel
+    # Weight-only quantization of every linear layer: None, "int4" (groups of 32) or "int8" (per-output-channel
     # scales; activations, KV cache and math stay in `dtype`, which must be float32).
     quantization: str | None
     kv_cache_gib: float

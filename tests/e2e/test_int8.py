@@ -87,7 +87,7 @@ def test_int8_greedy_within_fp32_top5(checkpoint_dir, compile):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(quantization="int4"), "quantization must be None or one of"),
+        (dict(quantization="int2"), "quantization must be None or one of"),
         (dict(dtype="bfloat16", quantization="int8"), "dtype must be float32"),
         (dict(dtype="int8", enable_lora=True), "without LoRA"),
     ],

@@ -1,0 +1,256 @@
+"""GGUF files (llama.cpp's format): the config, tokenizer and weights of one `.gguf` file, mapped
+to the transformers model of its architecture, whose code then runs unmodified.
+
+Metadata, tokenizer (with its chat template) and the tensor-name mapping come from transformers'
+own GGUF support (`gguf_file=`, `get_gguf_hf_weights_map`, the per-architecture tensor
+processors: the reverse of llama.cpp's Q/K row permutation, Gemma's norm offset); the file is
+read with the `gguf` package. What transformers does not do is keep the weights quantized: its
+loader dequantizes every tensor to fp32. Here each tensor is placed in the model as it is read:
+
+- Q8_0, Q4_0 and Q4_1 linear weights become `GroupLinear`s holding the file's codes and scales
+  exactly (fp16 scales, 8- or 4-bit codes; ember's kernels widen them in registers); a table
+  in one of those types becomes a `GroupEmbedding` over the same codes, shared with a tied LM
+  head;
+- F32, F16 and BF16 tensors keep their type (F16 linears are packed as fp16 and widened
+  exactly);
+- every other type (K-quants, Q5_x, IQ*) is dequantized tensor by tensor (the `gguf` package's
+  numpy reference) and stored in bf16.
+
+The model is built on the meta device, so nothing is allocated for a weight until its tensor is
+read, and the file's memory map is dropped before returning: the process holds about the file's
+size (plus the bf16 copies of dequantized types).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from ember.compiler.hf_config import UnsupportedModelError
+from ember.compiler.quant import GROUP_SIZE, GroupEmbedding, GroupLinear
+
+logger = logging.getLogger("ember")
+
+# general.architecture values ember loads (Mistral files say "llama"; Gemma 3's text model).
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+
+
+def is_gguf(model: str) -> bool:
+    """True when `model` names a GGUF file (by extension; the file is checked when read)."""
+    return model.lower().endswith(".gguf")
+
+
+def _reader(path: str) -> Any:
+    """The file's `GGUFReader` (memory-mapped); `UnsupportedModelError` naming the problem for a
+    missing, truncated or malformed file or an unknown tensor type."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:  # pragma: no cover - a dependency of ember
+        raise UnsupportedModelError("loading a GGUF file needs the `gguf` package") from e
+    if not os.path.isfile(path):
+        raise ValueError(f"model: GGUF file {path!r} does not exist")
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError, TypeError, AssertionError) as e:
+        if "GGMLQuantizationType" in str(e):
+            problem = f"unknown tensor type ({e})"
+        else:
+            problem = f"truncated or not a GGUF file ({e})"
+        raise UnsupportedModelError(f"cannot read GGUF file {path!r}: {problem}") from e
+
+
+def _architecture(reader: Any, path: str) -> str:
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise UnsupportedModelError(f"GGUF file {path!r} has no general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode()
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF file {path!r}: architecture {arch!r} is not supported by ember "
+            f"(supported: {', '.join(ARCHITECTURES)})"
+        )
+    return arch
+
+
+def load_gguf_config(path: str) -> PretrainedConfig:
+    """The transformers config of a GGUF file (metadata only; tensors are not read)."""
+    _architecture(_reader(path), path)
+    directory, name = os.path.split(os.path.abspath(path))
+    try:
+        return AutoConfig.from_pretrained(directory, gguf_file=name, local_files_only=True)
+    except (ValueError, KeyError, OSError, TypeError) as e:
+        raise UnsupportedModelError(f"cannot read the config of GGUF file {path!r}: {e}") from e
+
+
+def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
+    """The file's tokenizer and chat template through transformers' GGUF converter, or None
+    (logged) when it has none that transformers can build."""
+    directory, name = os.path.split(os.path.abspath(path))
+    try:
+        return AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        logger.warning("no tokenizer in %s (%s); only token-id prompts work", path, e)
+        return None
+
+
+def _blocks(raw: np.ndarray, rows: int, block_bytes: int) -> torch.Tensor:
+    """A quantized tensor's bytes [rows, row bytes] as [rows, blocks, block_bytes] (a copy)."""
+    return torch.from_numpy(np.ascontiguousarray(raw).reshape(rows, -1, block_bytes).copy())
+
+
+def group_linear_from_blocks(
+    raw: np.ndarray, qtype: str, bias: torch.Tensor | None = None
+) -> GroupLinear:
+    """A `GroupLinear` holding a Q8_0 / Q4_0 / Q4_1 tensor's values exactly. `raw`: the tensor's
+    bytes, one row of blocks per output channel (ggml's layout: Q8_0 blocks are fp16 d and 32
+    int8 codes; Q4_0 fp16 d and 16 bytes whose low nibbles are codes 0-15 and high nibbles
+    16-31; Q4_1 the same after fp16 d and m)."""
+    rows = raw.shape[0]
+    if qtype == "Q8_0":
+        blocks = _blocks(raw, rows, 2 + GROUP_SIZE)
+        scales = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
+        codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1)
+        return GroupLinear(codes, scales, None, 8, bias)
+    head = {"Q4_0": 2, "Q4_1": 4}[qtype]
+    blocks = _blocks(raw, rows, head + GROUP_SIZE // 2)
+    scales = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
+    mins = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0] if head == 4 else None
+    packed = blocks[..., head:]
+    codes = torch.cat((packed & 15, packed >> 4), dim=-1).reshape(rows, -1)
+    return GroupLinear(codes, scales, mins, 4, bias)
+
+
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+
+
+def _dense(tensor: Any, qtype: str, data: np.ndarray) -> torch.Tensor:
+    """A tensor that is not kept quantized: F32/F16/BF16 as they are, anything else
+    dequantized to bf16. `data` is already row-processed (Q/K permutation)."""
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the fastest dim first
+    if qtype == "F32":
+        return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
+    if qtype == "F16":
+        return torch.from_numpy(np.array(data, dtype=np.float16)).reshape(shape)
+    if qtype == "BF16":
+        bits = np.ascontiguousarray(data).view(np.uint16).copy()
+        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).reshape(shape)
+    from gguf import dequantize
+
+    values = dequantize(np.ascontiguousarray(data), tensor.tensor_type)
+    return torch.from_numpy(values).reshape(shape).to(torch.bfloat16)
+
+
+def _permute_rows(processor: Any, name: str, data: np.ndarray) -> np.ndarray:
+    """transformers' processing of a tensor whose rows are output channels: for the supported
+    architectures a row permutation (Llama Q/K), or an offset on norms, which are never kept
+    quantized."""
+    return processor.process(weights=data, name=name).weights
+
+
+def load_gguf_model(
+    path: str, config: PretrainedConfig, auto_class: Any, attn_implementation: str
+) -> nn.Module:
+    """The transformers model of `config` with the file's weights (see the module doc)."""
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    reader = _reader(path)
+    arch = _architecture(reader, path)
+    with torch.device("meta"):
+        model = auto_class.from_config(config, attn_implementation=attn_implementation)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    names = get_gguf_hf_weights_map(model, processor)
+    kept: dict[str, tuple[np.ndarray, str]] = {}
+    for tensor in reader.tensors:
+        hf_name = names.get(tensor.name)
+        if hf_name is None:
+            logger.info("GGUF tensor %s has no place in %s; skipped", tensor.name, arch)
+            continue
+        qtype = tensor.tensor_type.name
+        module_name, _, attr = hf_name.rpartition(".")
+        module = model.get_submodule(module_name)
+        data = _permute_rows(processor, tensor.name, tensor.data)
+        if attr == "weight" and qtype in KEPT_TYPES and isinstance(module, (nn.Linear, nn.Embedding)):
+            kept[module_name] = (data, qtype)
+            continue
+        _set_tensor(module, attr, _dense(tensor, qtype, data), hf_name)
+    for module_name, (data, qtype) in kept.items():
+        module = model.get_submodule(module_name)
+        bias = getattr(module, "bias", None) if isinstance(module, nn.Linear) else None
+        if bias is not None and bias.is_meta:
+            raise UnsupportedModelError(f"GGUF file {path!r} has no tensor for {module_name}.bias")
+        linear = group_linear_from_blocks(data, qtype, bias)
+        expected = (module.weight.shape[0], module.weight.shape[1])
+        if (linear.out_features, linear.in_features) != expected:
+            raise UnsupportedModelError(
+                f"GGUF file {path!r}: {module_name} is {linear.out_features}x"
+                f"{linear.in_features}, the config says {expected[0]}x{expected[1]}"
+            )
+        _place(model, module_name, GroupEmbedding(linear) if isinstance(module, nn.Embedding) else linear)
+    del reader, kept  # the file's memory map goes with them
+    _tie_head(model, config)
+    _materialize_buffers(model)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise UnsupportedModelError(
+            f"GGUF file {path!r} has no tensors for {len(missing)} weights of {arch}, e.g. "
+            f"{', '.join(missing[:3])}"
+        )
+    return model.eval().requires_grad_(False)
+
+
+def _set_tensor(module: nn.Module, attr: str, value: torch.Tensor, hf_name: str) -> None:
+    current = getattr(module, attr)
+    if tuple(current.shape) != tuple(value.shape):
+        raise UnsupportedModelError(
+            f"GGUF tensor for {hf_name} is {tuple(value.shape)}, the config says "
+            f"{tuple(current.shape)}"
+        )
+    param = nn.Parameter(value, requires_grad=False)
+    param._is_hf_initialized = True  # type: ignore[attr-defined]
+    module._parameters[attr] = param
+
+
+def _place(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _tie_head(model: nn.Module, config: PretrainedConfig) -> None:
+    """A file without `output.weight` ties the LM head to the table: the same Parameter, or
+    the same `GroupLinear` when the table is kept quantized."""
+    head = getattr(model, "lm_head", None)
+    if head is None or not isinstance(head, nn.Linear) or not head.weight.is_meta:
+        return
+    embed = model.get_input_embeddings()  # type: ignore[operator]
+    if isinstance(embed, GroupEmbedding):
+        model.lm_head = embed.table
+    else:
+        head.weight = embed.weight
+
+
+def _materialize_buffers(model: nn.Module) -> None:
+    """Non-persistent buffers (rotary inv_freq) were built on the meta device: allocate them and
+    let transformers initialize them as from_pretrained does (every loaded weight is marked
+    initialized, so only they are touched)."""
+    for name, buf in list(model.named_buffers()):
+        if buf.is_meta:
+            parent, _, attr = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            owner._buffers[attr] = torch.empty_like(buf, device="cpu")
+    for module in model.modules():
+        if not any(p.is_meta for p in module.parameters(recurse=False)):
+            for p in module.parameters(recurse=False):
+                p._is_hf_initialized = True  # type: ignore[attr-defined]
+        if isinstance(module, (GroupLinear, GroupEmbedding)):
+            module._is_hf_initialized = True  # type: ignore[attr-defined]
+    model.initialize_weights()  # type: ignore[operator]

@@ -1,0 +1,263 @@
+"""GGUF files: ember's greedy output against HF transformers loading the same file (which
+dequantizes every tensor to fp32), in every type the `gguf` package writes; the layout of the
+kept Q8_0/Q4_0/Q4_1 tensors; bad files; the memory a load adds; `quantization="int4"` on HF
+checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from ember.compiler.quant import GroupEmbedding, GroupLinear
+from ember.tools.gguf_writer import write_gguf
+from tests.conftest import make_prompts
+
+gguf = pytest.importorskip("gguf")
+
+KW = dict(kv_cache_gib=0.01, max_model_len=96, use_tqdm=False)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# Kept as the file's groups / kept in their own type / dequantized to bf16 (Q5_0, Q5_1).
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "F16", "BF16", "F32", "Q5_0", "Q5_1"]
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    """`gguf_file(shape, qtype, **overrides)` -> a GGUF file of a seeded random checkpoint."""
+    from ember.tools.checkpoints import build_checkpoint
+
+    root = tmp_path_factory.mktemp("gguf")
+    made: dict[str, str] = {}
+
+    def make(shape: str = "tiny-llama", qtype: str = "Q8_0", **overrides) -> str:
+        key = f"{shape}-{qtype}-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+        if key not in made:
+            # initializer_range 0.3: peaked logits, so agreement is a real constraint.
+            ckpt = build_checkpoint(str(root / f"{key}-hf"), shape, initializer_range=0.3, **overrides)
+            made[key] = write_gguf(ckpt, str(root / f"{key}.gguf"), qtype)
+            make.source[made[key]] = ckpt
+        return made[key]
+
+    make.source = {}  # GGUF path -> the HF checkpoint it was written from
+    return make
+
+
+def _hf(path: str):
+    from transformers import AutoModelForCausalLM
+
+    directory, name = os.path.split(path)
+    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+
+
+def _ranks(model, prompt: list[int], generated: list[int]) -> list[int]:
+    """Rank of each generated token in HF's logits at that step, teacher-forced (0 = argmax)."""
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]
+    chosen = logits.gather(1, torch.tensor(generated)[:, None])
+    return (logits > chosen).sum(dim=1).tolist()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2"])
+def test_gguf_greedy_matches_hf_on_the_same_file(gguf_file, qtype, shape):
+    """Llama files carry llama.cpp's Q/K row permutation; the Qwen2 one ties its head to a
+    quantized table (a `GroupEmbedding` shared with the head)."""
+    path = gguf_file(shape, qtype, tie_word_embeddings=shape == "tiny-qwen2")
+    prompts = make_prompts(3, seed=11, low=4, high=20)
+    with LLM(model=path, compile=False, **KW) as llm:
+        model = llm.llm_engine.runner.model
+        q_proj = model.model.layers[0].self_attn.q_proj
+        if qtype in ("Q8_0", "Q4_0", "Q4_1"):
+            assert isinstance(q_proj, GroupLinear) and q_proj.bits == (8 if qtype == "Q8_0" else 4)
+            assert (q_proj.mins is not None) == (qtype == "Q4_1")
+            if shape == "tiny-qwen2":
+                assert isinstance(model.model.embed_tokens, GroupEmbedding)
+                assert model.lm_head is model.model.embed_tokens.table
+        else:
+            packed = {"F16": torch.float16, "F32": torch.float32}.get(qtype, torch.bfloat16)
+            assert q_proj.weight.dtype == packed
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        pool = llm.llm_engine.block_manager
+        assert pool.num_free_blocks == pool.num_blocks - 1
+    hf = _hf(path)
+    ranks = [r for p, g in zip(prompts, outs, strict=True) for r in _ranks(hf, p, g)]
+    # The same weights, fp32 sums in another order: HF's own choice at (nearly) every step.
+    assert max(ranks) < 5, ranks
+    assert sum(r == 0 for r in ranks) >= 0.9 * len(ranks), ranks
+
+
+def test_gguf_compiled_mixed_batch_with_chunked_prefill(gguf_file):
+    """The compiled graph over group-quantized linears and a quantized tied table; prompts
+    longer than a step (chunked prefill) beside decodes; equal to the eager engine."""
+    path = gguf_file("tiny-qwen2", "Q4_1", tie_word_embeddings=True)
+    prompts = make_prompts(5, seed=4, low=3, high=40)
+    kw = dict(KW, max_num_batched_tokens=24, token_buckets=(1, 8, 24))
+    with LLM(model=path, compile=True, **kw) as llm:
+        compiled = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with LLM(model=path, compile=False, **kw) as llm:
+        eager = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert compiled == eager
+
+
+def test_gguf_tokenizer_and_config_come_from_the_file(gguf_file):
+    from transformers import AutoTokenizer
+
+    path = gguf_file("tiny-llama", "Q8_0")
+    reference = AutoTokenizer.from_pretrained(gguf_file.source[path])
+    with LLM(model=path, compile=False, **KW) as llm:
+        text = "The quick brown fox, hello world 123"
+        assert llm.get_tokenizer()(text)["input_ids"] == reference(text)["input_ids"]
+        assert llm.llm_engine.eos_token_id == 1
+        out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=5), use_tqdm=False)
+        assert out[0].outputs[0].text == reference.decode(out[0].outputs[0].token_ids)
+
+
+def test_group_linear_from_blocks_reads_ggml_layouts_exactly():
+    """Each kept type's raw blocks, as `gguf.quants` writes them, give the same weight values
+    as the package's own dequantizer."""
+    from ember.compiler.gguf import group_linear_from_blocks
+
+    w = torch.randn(37, 96).numpy()
+    for qtype in ("Q8_0", "Q4_0", "Q4_1"):
+        ggml_type = gguf.GGMLQuantizationType[qtype]
+        raw = gguf.quants.quantize(w, ggml_type)
+        linear = group_linear_from_blocks(raw, qtype)
+        expected = torch.from_numpy(gguf.quants.dequantize(raw, ggml_type))
+        assert torch.equal(linear.rows(torch.arange(37)), expected), qtype
+
+
+def _truncated(path: str, out: str) -> str:
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(out, "wb") as f:
+        f.write(data[: len(data) // 2])
+    return out
+
+
+def _unknown_type(path: str, out: str) -> str:
+    """The file with its first tensor's type id set to one ggml does not define."""
+    first = gguf.GGUFReader(path).tensors[0]
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    name = first.name.encode()  # info record: name, n_dims, dims (uint64 each), type id
+    at = data.index(name) + len(name) + 4 + 8 * len(first.shape)
+    assert int.from_bytes(data[at : at + 4], "little") == int(first.tensor_type)
+    data[at : at + 4] = (77).to_bytes(4, "little")
+    with open(out, "wb") as f:
+        f.write(data)
+    return out
+
+
+def _unknown_arch(out: str) -> str:
+    writer = gguf.GGUFWriter(out, "bloom")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_bad_gguf_files_raise_value_errors_naming_the_problem(gguf_file, tmp_path):
+    good = gguf_file("tiny-llama", "Q8_0")
+    cases = [
+        (_truncated(good, str(tmp_path / "cut.gguf")), "truncated"),
+        (_unknown_type(good, str(tmp_path / "type.gguf")), "unknown tensor type"),
+        (_unknown_arch(str(tmp_path / "bloom.gguf")), "architecture 'bloom'"),
+        (str(tmp_path / "missing.gguf"), "does not exist"),
+    ]
+    for path, match in cases:
+        with pytest.raises(ValueError, match=match):
+            LLM(model=path, compile=False, **KW)
+    with pytest.raises(ValueError, match="already quantized"):
+        LLM(model=good, compile=False, quantization="int4", **KW)
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(model=good, compile=False, enable_lora=True, **KW)
+
+
+_RSS_CHILD = """
+import json, os, sys
+import torch
+from ember.attention import get_backend
+from ember.compiler.hf_config import read_model_spec
+from ember.compiler.loader import load_model
+
+def rss_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+
+def load(path):
+    return load_model(read_model_spec(path), torch.float32, get_backend("torch"))
+
+load(sys.argv[1])  # every import and the kernels, on a tiny file
+before = rss_mib()
+loaded = load(sys.argv[2])
+print(json.dumps({"grown": rss_mib() - before, "file": os.path.getsize(sys.argv[2]) / 2**20}))
+"""
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_gguf_load_adds_about_the_file_size(gguf_file, qtype):
+    """A 74M-parameter file in a fresh process (measured after the imports): the weights are
+    placed as they are read from the map, which is dropped after loading."""
+    tiny = gguf_file("tiny-llama", "Q8_0")
+    shape = dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=8192,
+    )
+    path = gguf_file("tiny-llama", qtype, **shape)
+    child = subprocess.run(
+        [sys.executable, "-c", _RSS_CHILD, tiny, path], capture_output=True, text=True, timeout=600
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    got = json.loads(child.stdout.strip().splitlines()[-1])
+    assert got["grown"] < 1.3 * got["file"] + 16, got
+
+
+def _naive_int4(w: torch.Tensor) -> torch.Tensor:
+    """Asymmetric 4-bit groups of 32 written out, dequantized: per group d = (max - min) / 15
+    and m = min, both rounded to fp16, codes round((w - m) / d) in [0, 15]."""
+    out = torch.empty_like(w, dtype=torch.float32)
+    for r in range(w.shape[0]):
+        for g in range(0, w.shape[1], 32):
+            group = w[r, g : g + 32].float()
+            d = ((group.max() - group.min()) / 15).half().float()
+            m = group.min().half().float()
+            q = torch.round((group - m) / d).clamp(0, 15) if d > 0 else torch.zeros_like(group)
+            out[r, g : g + 32] = q * d + m
+    return out
+
+
+def test_int4_matches_its_dequantized_weights_in_hf(checkpoint_dir):
+    """`quantization="int4"` on an HF checkpoint (bf16: quantized from the file's own tensors):
+    every linear becomes a 4-bit `GroupLinear`, and the engine's greedy output is HF's on a copy
+    of the model whose linears hold the naive quantizer's values."""
+    from transformers import AutoModelForCausalLM
+
+    d = checkpoint_dir("tiny-qwen2", dtype=torch.bfloat16, initializer_range=0.3)
+    prompts = make_prompts(3, seed=3, low=5, high=30)
+    with LLM(model=d, compile=False, quantization="int4", **KW) as llm:
+        assert llm.config.dtype == torch.float32
+        linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, GroupLinear)]
+        assert len(linears) == 2 * 7 + 1 and all(m.bits == 4 and m.mins is not None for m in linears)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    hf.lm_head.weight = torch.nn.Parameter(hf.lm_head.weight.detach().clone())  # untie
+    for module in hf.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.data = _naive_int4(module.weight.data)
+    ranks = [r for p, g in zip(prompts, outs, strict=True) for r in _ranks(hf, p, g)]
+    assert max(ranks) < 5, ranks
+    assert sum(r == 0 for r in ranks) >= 0.9 * len(ranks), ranks
