@@ -21,6 +21,7 @@ OPAQUE_OPS: dict[str, str] = {
     "ember::lora_expand": "ember.lora.ops",
     "ember_cpu::paged_attention_cpu": "ember.kernels",
     "ember_cpu::packed_linear": "ember.kernels",
+    "ember_cpu::group_linear": "ember.kernels",
     "ember_cpu::pack_linear_weight": "ember.kernels",
     "ember_cpu::pack_bf16_pairs": "ember.kernels",
     "ember_cpu::bf16_linear": "ember.kernels",

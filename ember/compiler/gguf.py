@@ -179,7 +179,9 @@ def load_gguf_model(
         module_name, _, attr = hf_name.rpartition(".")
         module = model.get_submodule(module_name)
         data = _permute_rows(processor, tensor.name, tensor.data)
-        if attr == "weight" and qtype in KEPT_TYPES and isinstance(module, (nn.Linear, nn.Embedding)):
+        # Only plain tables: a scaled embedding (Gemma's) keeps its own forward.
+        plain = type(module) is nn.Embedding and module.max_norm is None
+        if attr == "weight" and qtype in KEPT_TYPES and (isinstance(module, nn.Linear) or plain):
             kept[module_name] = (data, qtype)
             continue
         _set_tensor(module, attr, _dense(tensor, qtype, data), hf_name)
