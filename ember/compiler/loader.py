@@ -157,19 +157,23 @@ def _load_gguf(
 ) -> LoadedModel:
     """A GGUF file (`ember.compiler.gguf`): Q8_0/Q4_0/Q4_1 weights kept as the file's groups,
     the rest in their own 16/32-bit types or dequantized to bf16; math in `dtype`."""
-    from ember.compiler.gguf import load_gguf_model, load_gguf_tokenizer
+    from ember.compiler import gguf
 
-    assert spec.gguf_file is not None
+    path = spec.gguf_file
+    assert path is not None
     if not kernels.available(cpu_isa):
         raise UnsupportedModelError(
             "GGUF files run on ember's C++ kernels, which cannot be built here"
         )
-    model = load_gguf_model(
-        spec.gguf_file, spec.hf_config, spec.auto_class, register_attention(backend)
-    )
+    try:
+        model = gguf.load_gguf_model(
+            path, spec.hf_config, spec.auto_class, register_attention(backend)
+        )
+        tokenizer = gguf.load_gguf_tokenizer(path)
+    finally:
+        gguf.release(path)  # the file's memory map
     use_kernel_linears_(model, dtype)
     _widen_all_but_linear_weights(model, dtype)
-    tokenizer = load_gguf_tokenizer(spec.gguf_file)
     release_free_heap()
     return LoadedModel(
         model=model,

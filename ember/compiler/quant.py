@@ -303,20 +303,22 @@ class GroupLinear(nn.Module):
 
 class GroupEmbedding(nn.Module):
     """An input embedding whose table is a `GroupLinear`'s weight (a quantized GGUF table, or
-    the LM head tied to it): each token's row is gathered and dequantized, and the table is
-    held once, quantized."""
+    the LM head tied to it): each token's row is gathered and dequantized (times `scale`, for
+    a scaled embedding), and the table is held once, quantized."""
 
-    def __init__(self, table: GroupLinear) -> None:
+    def __init__(self, table: GroupLinear, scale: float | None = None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
         self.table = table
+        self.scale = scale  # Gemma's scaled embeddings: rows times sqrt(hidden_size)
 
     @property
     def weight(self) -> torch.Tensor:
         return self.table.codes
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.table.rows(ids)
+        rows = self.table.rows(ids)
+        return rows if self.scale is None else rows * self.scale
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows of a group-quantized table"

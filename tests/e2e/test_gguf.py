@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ gguf = pytest.importorskip("gguf")
 
 KW = dict(kv_cache_gib=0.01, max_model_len=96, use_tqdm=False)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-# Kept as the file's groups / kept in their own type / dequantized to bf16 (Q5_0, Q5_1).
+# Kept as the file's groups / in their own type / Q5_0 as exact 8-bit codes, Q5_1 requantized.
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "F16", "BF16", "F32", "Q5_0", "Q5_1"]
 
 
@@ -73,15 +74,16 @@ def test_gguf_greedy_matches_hf_on_the_same_file(gguf_file, qtype, shape):
     with LLM(model=path, compile=False, **KW) as llm:
         model = llm.llm_engine.runner.model
         q_proj = model.model.layers[0].self_attn.q_proj
-        if qtype in ("Q8_0", "Q4_0", "Q4_1"):
-            assert isinstance(q_proj, GroupLinear) and q_proj.bits == (8 if qtype == "Q8_0" else 4)
+        if qtype in ("F16", "BF16", "F32"):
+            packed = {"F16": torch.float16, "F32": torch.float32}.get(qtype, torch.bfloat16)
+            assert q_proj.weight.dtype == packed
+        else:  # Q4_0, Q4_1 as they are; Q8_0 and Q5_0 exactly, Q5_1 requantized: 8-bit codes
+            assert isinstance(q_proj, GroupLinear)
+            assert q_proj.bits == (4 if qtype in ("Q4_0", "Q4_1") else 8)
             assert (q_proj.mins is not None) == (qtype == "Q4_1")
             if shape == "tiny-qwen2":
                 assert isinstance(model.model.embed_tokens, GroupEmbedding)
                 assert model.lm_head is model.model.embed_tokens.table
-        else:
-            packed = {"F16": torch.float16, "F32": torch.float32}.get(qtype, torch.bfloat16)
-            assert q_proj.weight.dtype == packed
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         pool = llm.llm_engine.block_manager
         assert pool.num_free_blocks == pool.num_blocks - 1
@@ -130,6 +132,34 @@ def test_group_linear_from_blocks_reads_ggml_layouts_exactly():
         linear = group_linear_from_blocks(raw, qtype)
         expected = torch.from_numpy(gguf.quants.dequantize(raw, ggml_type))
         assert torch.equal(linear.rows(torch.arange(37)), expected), qtype
+
+
+def _random_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random bytes in `qtype`'s block layout with small finite fp16 scales, as a file holds."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    blocks = np.random.default_rng(seed).integers(0, 256, (rows, k // block_size, type_size), dtype=np.uint8)
+    scale_at = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [type_size - 2], "Q5_1": [0, 2]}[qtype]
+    for at in scale_at:
+        blocks[..., at : at + 2] = np.float16(0.01).reshape(1).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q5_1"])
+def test_other_types_requantize_to_8_bit_groups_within_half_a_step(qtype):
+    """K-quants (which the `gguf` package cannot write) from random blocks: the package's
+    dequantized values, requantized to Q8_0-style groups, each within half a step."""
+    from ember.compiler.gguf import group_linear_from_values
+
+    raw = _random_blocks(qtype, 5, 512)
+    ggml_type = gguf.GGMLQuantizationType[qtype]
+    linear = group_linear_from_values(raw, ggml_type)
+    values = torch.from_numpy(gguf.quants.dequantize(raw, ggml_type))
+    back = linear.rows(torch.arange(5))
+    groups = values.unflatten(-1, (-1, 32))
+    step = (groups.abs().amax(-1) / 127).half().float().repeat_interleave(32, dim=1)
+    assert ((back - values).abs() <= step * 0.5 + 1e-6).all()
+    relative = ((back - values).norm() / values.norm()).item()
+    assert relative < 0.01, relative
 
 
 def _truncated(path: str, out: str) -> str:
