@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -163,13 +164,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(
         f"{host.cpu_description()}; ember kernels: cpu_isa={cfg.cpu_isa}, ATen: "
         f"{torch.backends.cpu.get_cpu_capability()}; checkpoint {model_dir}, "
-        f"weights {cfg.quantization or str(cfg.weight_dtype).removeprefix('torch.')}, "
+        f"weights {_weights_description(cfg)}, "
         f"math/KV {str(dtype).removeprefix('torch.')}"
     )
     print(bench.format_table(report))
     if profile is not None:
         print(bench.format_profile(profile, bytes_per_token, report.bandwidth_gbs))
     return 0
+
+
+def _weights_description(cfg: Any) -> str:
+    """What the linear weights are stored as: the quantization, the GGUF file's tensor types,
+    or the dtype."""
+    if cfg.model_spec.gguf_file is not None:
+        from ember.compiler.gguf import weight_types
+
+        counts = weight_types(cfg.model_spec.gguf_file)
+        return "GGUF " + ", ".join(f"{n} {t}" for t, n in counts.most_common())
+    return cfg.quantization or str(cfg.weight_dtype).removeprefix("torch.")
 
 
 def build_parser() -> argparse.ArgumentParser:

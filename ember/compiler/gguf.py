@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -126,6 +127,14 @@ def _architecture(reader: Any, path: str) -> str:
             f"(supported: {', '.join(ARCHITECTURES)})"
         )
     return arch
+
+
+def weight_types(path: str) -> Counter[str]:
+    """How many 2-D tensors of each type the file holds (for reports)."""
+    try:
+        return Counter(t.tensor_type.name for t in _reader(path).tensors if len(t.shape) > 1)
+    finally:
+        release(path)
 
 
 def load_gguf_config(path: str) -> PretrainedConfig:

@@ -218,22 +218,32 @@ def _panels(t: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, panel, cols).transpose(1, 2).contiguous()
 
 
-def _from_panels(t: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+def _from_panels(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Rows (output channels) of a panel-packed [P, C, panel] tensor, as [..., C]."""
     panel = t.shape[2]
-    if isinstance(rows, slice):
-        return t.transpose(1, 2).reshape(-1, t.shape[1])[rows]
     return t[rows // panel, :, rows % panel]
+
+
+def _quad_panels(t: torch.Tensor) -> torch.Tensor:
+    """Bytes [N, C] -> [ceil(N / panel), C / 4, panel, 4], zeros past N: each channel's 4
+    consecutive bytes in one 32-bit lane, the layout integer dot products read."""
+    panel = kernels.panel_width()
+    rows, cols = t.shape
+    padded = t.new_zeros(-(-rows // panel) * panel, cols)
+    padded[:rows] = t
+    return padded.view(-1, panel, cols // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
 class GroupLinear(nn.Module):
     """`y = x @ w.T + bias` with w in groups of 32 consecutive k of one output channel, each
     with an fp16 scale d (and an fp16 offset m for asymmetric 4-bit codes): w = d q (`bits=8`,
     q in [-127, 127]: GGUF's Q8_0), d (q - 8) (`bits=4` without offsets, q in [0, 15]: Q4_0) or
-    d q + m (`bits=4` with offsets: Q4_1, and `quantization="int4"`). The codes and scales are
-    packed into panels once (`_panels`; 4-bit codes two to a byte, k even in the low nibble)
-    and every step runs `ember_cpu::group_linear`: fp32 math, the codes widened in registers.
-    `codes [N, K]`, `scales`/`mins [N, K / 32]`."""
+    d q + m (`bits=4` with offsets: Q4_1, and `quantization="int4"`). Packed once into panels
+    with each channel's codes for 4 (8-bit, stored as q + 128) or 8 (4-bit, k = 8i + j in the
+    low nibble of byte j, 8i + 4 + j in the high one) consecutive k in one 32-bit lane; every
+    step runs `ember_cpu::group_linear`, which quantizes x to int8 per group of 32 and sums the
+    products in int32 (llama.cpp's scheme; see the kernel). `codes [N, K]`, `scales`/`mins
+    [N, K / 32]`."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -261,11 +271,12 @@ class GroupLinear(nn.Module):
         if mins is not None and (bits != 4 or mins.shape != scales.shape):
             raise ValueError("GroupLinear: offsets (mins) are for 4-bit codes, shaped as scales")
         self.in_features, self.out_features, self.bits = k, n, bits
-        packed = _panels(codes.to(torch.int8 if bits == 8 else torch.uint8))
-        if bits == 4:
-            pairs = packed.view(packed.shape[0], k // 2, 2, -1)
-            packed = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
-        self.register_buffer("codes", packed.contiguous())
+        if bits == 8:
+            stored = (codes.to(torch.int16) + 128).to(torch.uint8)
+        else:
+            octets = codes.to(torch.uint8).view(n, k // 8, 2, 4)
+            stored = (octets[:, :, 0] | (octets[:, :, 1] << 4)).view(n, k // 2)
+        self.register_buffer("codes", _quad_panels(stored))
         self.register_buffer("scales", _panels(scales.to(torch.float16)))
         self.register_buffer("mins", None if mins is None else _panels(mins.to(torch.float16)))
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
@@ -283,9 +294,14 @@ class GroupLinear(nn.Module):
     def rows(self, ids: torch.Tensor | slice) -> torch.Tensor:
         """Rows `ids` of the weight, dequantized to fp32: [..., K] (an embedding lookup, and
         the reference the kernel is tested against)."""
-        codes = _from_panels(self.codes, ids)
-        if self.bits == 4:
-            codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
+        if isinstance(ids, slice):
+            ids = torch.arange(self.out_features)[ids]
+        panel = self.codes.shape[2]
+        stored = self.codes[ids // panel, :, ids % panel]  # [..., K / 4 or K / 8, 4]
+        if self.bits == 8:
+            codes = stored.flatten(-2).to(torch.int16) - 128
+        else:
+            codes = torch.stack((stored & 15, stored >> 4), dim=-2).flatten(-3)
         scales = _from_panels(self.scales, ids).float()[..., None]
         groups = codes.unflatten(-1, (-1, GROUP_SIZE)).float()
         if self.mins is not None:

@@ -12,6 +12,7 @@ fp32 panels, or bf16 pairs on AVX512-BF16; compute floor = workload FLOPs / GEMM
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -128,7 +129,10 @@ def run_hf(
     from transformers import AutoModelForCausalLM
 
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    kwargs: dict[str, Any] = {}
+    if model_dir.lower().endswith(".gguf"):  # HF dequantizes a GGUF file to `dtype`
+        model_dir, kwargs["gguf_file"] = os.path.split(os.path.abspath(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs).eval()
     ids = torch.tensor(prompts_for(workload, model.config.vocab_size))
     kw: dict[str, Any] = dict(
         do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids)
@@ -178,12 +182,16 @@ def decode_bytes_per_token(model: torch.nn.Module) -> int:
     """Weight bytes one batch-1 decode step reads: every parameter and weight buffer (int8
     weights and their scales) except the input embedding table (one row of it is read),
     counting a tied LM head once."""
-    embed = model.get_input_embeddings().weight  # type: ignore[operator]
+    module = model.get_input_embeddings()  # type: ignore[operator]
+    embed = module.weight
     unique = {t.data_ptr(): t for t in model.state_dict().values()}  # params + saved buffers
     total = sum(t.numel() * t.element_size() for t in unique.values())
     head = model.get_output_embeddings()  # type: ignore[operator]
     tied = head is not None and head.weight.data_ptr() == embed.data_ptr()
-    return total if tied else total - embed.numel() * embed.element_size()
+    if tied:
+        return total
+    table = {t.data_ptr(): t for t in module.state_dict().values()}  # a quantized table's scales too
+    return total - sum(t.numel() * t.element_size() for t in table.values())
 
 
 def measure_gemm_gflops(
@@ -310,7 +318,12 @@ class StepProfile:
     host: float
 
 
-_LINEAR_OPS = ("ember_cpu::packed_linear", "ember_cpu::fp32_linear", "ember_cpu::bf16_linear")
+_LINEAR_OPS = (
+    "ember_cpu::packed_linear",
+    "ember_cpu::group_linear",
+    "ember_cpu::fp32_linear",
+    "ember_cpu::bf16_linear",
+)
 _GEMM_OPS = ("aten::mm", "aten::addmm", "aten::linear")
 
 

@@ -89,9 +89,10 @@ def test_gguf_greedy_matches_hf_on_the_same_file(gguf_file, qtype, shape):
         assert pool.num_free_blocks == pool.num_blocks - 1
     hf = _hf(path)
     ranks = [r for p, g in zip(prompts, outs, strict=True) for r in _ranks(hf, p, g)]
-    # The same weights, fp32 sums in another order: HF's own choice at (nearly) every step.
+    # The same weights; quantized types multiply int8-quantized activations, as llama.cpp
+    # does (float types: fp32 math): HF's top 5 at every step, mostly its argmax.
     assert max(ranks) < 5, ranks
-    assert sum(r == 0 for r in ranks) >= 0.9 * len(ranks), ranks
+    assert sum(r == 0 for r in ranks) >= 0.75 * len(ranks), ranks
 
 
 def test_gguf_compiled_mixed_batch_with_chunked_prefill(gguf_file):
