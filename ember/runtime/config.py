@@ -130,6 +130,13 @@ class EngineArgs:
                 )
             if self.enable_lora:
                 raise ValueError("enable_lora=True is not supported with a GGUF model")
+            if dtype not in ("auto", "float32", torch.float32):
+                raise ValueError(
+                    f"dtype={dtype!r}: a GGUF model runs with float32 activations (its "
+                    "quantized weights are multiplied in int8, the others in fp32); use auto "
+                    "or float32"
+                )
+            dtype = "float32"
         max_positions = spec.max_positions
         if spec.task == "embed":
             # sentence-transformers' own input limit, when it ships one (all-MiniLM-L6-v2: 256).

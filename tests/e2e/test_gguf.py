@@ -211,6 +211,8 @@ def test_bad_gguf_files_raise_value_errors_naming_the_problem(gguf_file, tmp_pat
         LLM(model=good, compile=False, quantization="int4", **KW)
     with pytest.raises(ValueError, match="enable_lora"):
         LLM(model=good, compile=False, enable_lora=True, **KW)
+    with pytest.raises(ValueError, match="float32 activations"):
+        LLM(model=good, compile=False, dtype="bfloat16", **KW)
 
 
 _RSS_CHILD = """
