@@ -283,7 +283,9 @@ def load_gguf_model(
             )
         if isinstance(module, nn.Embedding):
             scale = getattr(module, "scalar_embed_scale", None)  # Gemma's scaled table
-            _place(model, module_name, GroupEmbedding(linear, None if scale is None else float(scale)))
+            _place(
+                model, module_name, GroupEmbedding(linear, None if scale is None else float(scale))
+            )
         else:
             _place(model, module_name, linear)
     del reader, kept

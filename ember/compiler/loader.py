@@ -22,7 +22,6 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from ember import kernels
 from ember.attention import AttentionBackend
 from ember.compiler.hf_bridge import register_attention
-from ember.host import release_free_heap
 from ember.compiler.hf_config import ModelSpec, UnsupportedModelError
 from ember.compiler.quant import (
     GemvLinear,
@@ -32,6 +31,7 @@ from ember.compiler.quant import (
     quantize_int8_,
     use_kernel_linears_,
 )
+from ember.host import release_free_heap
 from ember.lora.layers import LoRALinear, install_lora
 
 logger = logging.getLogger("ember")
@@ -94,7 +94,8 @@ def load_model(
     (`trust_remote_code=False`).
     """
     if spec.gguf_file is not None:
-        return _load_gguf(spec, dtype, backend, cpu_isa)
+        model, tokenizer = _load_gguf(spec, dtype, backend, cpu_isa)
+        return _loaded(model, spec, tokenizer, dtype, dtype, "gguf", backend, cpu_isa)
     weight_dtype = weight_dtype or dtype
     narrow = weight_dtype != dtype and quantization is None
     if narrow and not kernels.available(cpu_isa):
@@ -135,7 +136,26 @@ def load_model(
         _widen_all_but_linear_weights(model, dtype)
     _release_checkpoint_mapping(model, spec.model_dir)
     tokenizer = load_tokenizer(spec.model_dir)
-    release_free_heap()
+    return _loaded(
+        model, spec, tokenizer, dtype, weight_dtype, quantization, backend, cpu_isa, lora,
+        layers, token_slots,
+    )  # fmt: skip
+
+
+def _loaded(
+    model: PreTrainedModel,
+    spec: ModelSpec,
+    tokenizer: PreTrainedTokenizerBase | None,
+    dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    quantization: str | None,
+    backend: AttentionBackend,
+    cpu_isa: str,
+    lora: LoRAShape | None = None,
+    lora_layers: dict[str, LoRALinear] | None = None,
+    lora_token_slots: torch.Tensor | None = None,
+) -> LoadedModel:
+    release_free_heap()  # after every temporary of the load, the tokenizer's included
     return LoadedModel(
         model=model,
         spec=spec,
@@ -147,16 +167,16 @@ def load_model(
         cpu_isa=cpu_isa,
         kv_layer_shapes=kv_layer_shapes(model, spec),
         lora=lora,
-        lora_layers=layers,
-        lora_token_slots=token_slots,
+        lora_layers=lora_layers,
+        lora_token_slots=lora_token_slots,
     )
 
 
 def _load_gguf(
     spec: ModelSpec, dtype: torch.dtype, backend: AttentionBackend, cpu_isa: str
-) -> LoadedModel:
-    """A GGUF file (`ember.compiler.gguf`): Q8_0/Q4_0/Q4_1 weights kept as the file's groups,
-    the rest in their own 16/32-bit types or dequantized to bf16; math in `dtype`."""
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """A GGUF file's model and tokenizer (`ember.compiler.gguf`): quantized weights as 8- or
+    4-bit groups, the rest in their own 16/32-bit types; math in `dtype`."""
     from ember.compiler import gguf
 
     path = spec.gguf_file
@@ -174,18 +194,7 @@ def _load_gguf(
         gguf.release(path)  # the file's memory map
     use_kernel_linears_(model, dtype)
     _widen_all_but_linear_weights(model, dtype)
-    release_free_heap()
-    return LoadedModel(
-        model=model,
-        spec=spec,
-        tokenizer=tokenizer,
-        dtype=dtype,
-        weight_dtype=dtype,
-        quantization="gguf",
-        attention_backend=backend.name,
-        cpu_isa=cpu_isa,
-        kv_layer_shapes=kv_layer_shapes(model, spec),
-    )
+    return model, tokenizer
 
 
 def _widen_all_but_linear_weights(model: PreTrainedModel, dtype: torch.dtype) -> None:

@@ -94,9 +94,7 @@ def _packed_linear_fake(
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def _group_linear_fake(
-    x: torch.Tensor, codes: torch.Tensor, *args: object
-) -> torch.Tensor:
+def _group_linear_fake(x: torch.Tensor, codes: torch.Tensor, *args: object) -> torch.Tensor:
     out_features = args[3]
     assert isinstance(out_features, int)
     return x.new_empty((*x.shape[:-1], out_features))

@@ -43,8 +43,9 @@ def _help(text: str, **extra: Any) -> Any:
 class EngineArgs:
     """Every engine knob a user sets, with its default (vLLM meaning where vLLM has the knob).
 
-    `model` is a local HF checkpoint directory or a GGUF file (`*.gguf`). See `create_engine_config` for validation: bad
-    values raise `ValueError` naming the knob and the range.
+    `model` is a local HF checkpoint directory or a GGUF file (`*.gguf`). See
+    `create_engine_config` for validation: bad values raise `ValueError` naming the knob and
+    the range.
     """
 
     model: str
@@ -279,8 +280,9 @@ class EngineConfig:
     model_spec: ModelSpec = field(compare=False, repr=False)
     dtype: torch.dtype  # activations, KV cache and every parameter but the linear weights
     weight_dtype: torch.dtype  # linear weights (unless quantized)
-    # Weight-only quantization of every linear layer: None, "int4" (groups of 32) or "int8" (per-output-channel
-    # scales; activations, KV cache and math stay in `dtype`, which must be float32).
+    # Weight-only quantization of every linear layer: None, "int4" (groups of 32) or "int8"
+    # (per-output-channel scales); activations, KV cache and math stay in `dtype`, which must
+    # be float32.
     quantization: str | None
     kv_cache_gib: float
     block_size: int

@@ -190,7 +190,9 @@ def decode_bytes_per_token(model: torch.nn.Module) -> int:
     tied = head is not None and head.weight.data_ptr() == embed.data_ptr()
     if tied:
         return total
-    table = {t.data_ptr(): t for t in module.state_dict().values()}  # a quantized table's scales too
+    table = {
+        t.data_ptr(): t for t in module.state_dict().values()
+    }  # a quantized table's scales too
     return total - sum(t.numel() * t.element_size() for t in table.values())
 
 

@@ -25,7 +25,9 @@ _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's Q/K row order for Llama-family GGUF files (rotary pairs interleaved)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def _vocab(model_dir: str) -> tuple[list[str], list[str], list[int]]:
@@ -114,9 +116,7 @@ def write_gguf(
         elif kind == "F16":
             writer.add_tensor(gguf_name, data.astype(np.float16))
         else:
-            writer.add_tensor(
-                gguf_name, gguf.quants.quantize(data, ggml_type), raw_dtype=ggml_type
-            )
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, ggml_type), raw_dtype=ggml_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

