@@ -1219,9 +1219,14 @@ at::Tensor group_linear(const at::Tensor& x_in, const at::Tensor& codes,
                 "group_linear: scales and mins must be contiguous fp16 [", codes.size(0), ", ",
                 G, ", ", kPanel, "]");
   }
-  auto [x, out_shape] = as_matrix(x_in, K, N, "group_linear");
-  const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
+  TORCH_CHECK(x_in.size(-1) == K, "group_linear: x has ", x_in.size(-1), " features, w ", K);
+  // fp32 contiguous x (every compiled step): no reshape, cast or copy ops, y shaped directly.
+  const bool direct = x_in.scalar_type() == at::kFloat && x_in.is_contiguous();
+  const at::Tensor x = direct ? x_in : x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  auto out_shape = x_in.sizes().vec();
+  out_shape.back() = N;
+  const int64_t M = x.numel() / K;
+  at::Tensor y = at::empty(out_shape, x.options());
   if (M > 0) {
     at::Tensor b;
     const float* bp = bias_ptr(bias, b);
@@ -1238,7 +1243,7 @@ at::Tensor group_linear(const at::Tensor& x_in, const at::Tensor& codes,
       group_gemm<4, false>(xp, cp, dp, nullptr, bp, yp, M, N, K);
     }
   }
-  return y.view(out_shape).to(x_in.scalar_type());
+  return direct ? y : y.to(x_in.scalar_type());
 }
 
 // q . k over one head's D values (k widened to fp32), and acc += p * v.
