@@ -164,6 +164,23 @@ def test_paged_attention_decodes_at_model_head_dims(backend, head_dim, block_siz
     )
 
 
+@pytest.mark.parametrize("head_dim", [64, 72])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [0, 9])
+def test_paged_attention_many_decodes(backend, head_dim, dtype, window):
+    """More decoding sequences than 4x the threads: the C++ kernel gives each task all of a
+    sequence's K/V heads (a block's rows read contiguously), not one head."""
+    rng = torch.Generator().manual_seed(5)
+    n = 4 * torch.get_num_threads() + 2
+    specs = [(int(torch.randint(1, 70, (1,), generator=rng)), 1) for _ in range(n)]
+    out, refs, _ = _run_case(
+        backend, specs, 8, 2, head_dim, 16, dtype, seed=7, sliding_window=window
+    )
+    torch.testing.assert_close(
+        out[: len(refs)].float(), torch.cat(refs), atol=TOL[dtype], rtol=TOL[dtype]
+    )
+
+
 @pytest.mark.parametrize("window", [1, 5, 13])
 def test_paged_attention_sliding_window(backend, window):
     out, refs, _ = _run_case(
