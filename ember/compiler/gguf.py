@@ -251,7 +251,8 @@ def load_gguf_model(
     with torch.device("meta"):
         model = auto_class.from_config(config, attn_implementation=attn_implementation)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)
+    # Names by the file's own architecture (Mistral files say "llama", which gguf-py maps).
+    names = get_gguf_hf_weights_map(model, processor, model_type=arch)
     kept: dict[str, tuple[np.ndarray, Any]] = {}
     for tensor in reader.tensors:
         hf_name = names.get(tensor.name)
