@@ -8,17 +8,18 @@ read with the `gguf` package. What transformers does not do is keep the weights 
 loader dequantizes every tensor to fp32. Here each tensor is placed in the model as it is read:
 
 - Q8_0, Q4_0 and Q4_1 linear weights become `GroupLinear`s holding the file's codes and scales
-  exactly (fp16 scales, 8- or 4-bit codes; ember's kernels widen them in registers); a table
-  in one of those types becomes a `GroupEmbedding` over the same codes, shared with a tied LM
-  head;
+  exactly (fp16 scales, 8- or 4-bit codes, multiplied by ember's int8 dot-product kernel); a
+  table in one of those types becomes a `GroupEmbedding` over the same codes, shared with a
+  tied LM head;
+- Q5_0 weights become 8-bit codes exactly; every other quantized type (K-quants, Q5_1, IQ*) is
+  dequantized tensor by tensor (the `gguf` package's numpy reference) and requantized to 8-bit
+  groups of 32;
 - F32, F16 and BF16 tensors keep their type (F16 linears are packed as fp16 and widened
-  exactly);
-- every other type (K-quants, Q5_x, IQ*) is dequantized tensor by tensor (the `gguf` package's
-  numpy reference) and stored in bf16.
+  exactly); a quantized tensor that fits no group layout is dequantized to bf16.
 
 The model is built on the meta device, so nothing is allocated for a weight until its tensor is
-read, and the file's memory map is dropped before returning: the process holds about the file's
-size (plus the bf16 copies of dequantized types).
+read, and the file's memory map is dropped after loading: the process holds about the file's
+size.
 """
 
 from __future__ import annotations
@@ -42,11 +43,6 @@ logger = logging.getLogger("ember")
 
 # general.architecture values ember loads (Mistral files say "llama"; Gemma 3's text model).
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
-
-
-def is_gguf(model: str) -> bool:
-    """True when `model` names a GGUF file (by extension; the file is checked when read)."""
-    return model.lower().endswith(".gguf")
 
 
 _readers: dict[str, Any] = {}  # path -> its reader, from the config read until the model is built
@@ -203,8 +199,8 @@ def group_linear_from_values(
     values = torch.from_numpy(dequantize(np.ascontiguousarray(raw), tensor_type))
     rows = values.shape[0]
     if tensor_type.name == "Q5_0":
-        scales = _blocks(raw, rows, 2 + 4 + GROUP_SIZE // 2)[..., :2].contiguous()
-        scales = scales.view(torch.float16)[..., 0]
+        blocks = np.ascontiguousarray(raw).reshape(rows, -1, 2 + 4 + GROUP_SIZE // 2)
+        scales = torch.from_numpy(blocks[..., :2].copy()).view(torch.float16)[..., 0]
         step = scales.float().repeat_interleave(GROUP_SIZE, dim=1)
         codes = torch.where(step != 0, values / step, 0).round().to(torch.int8)
         return GroupLinear(codes, scales, None, 8, bias)

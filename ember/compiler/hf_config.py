@@ -87,7 +87,7 @@ def read_model_spec(model_dir: str) -> ModelSpec:
     classify it; raises `UnsupportedModelError` naming the architecture for anything ember
     cannot serve."""
     gguf_file = None
-    if model_dir.lower().endswith(".gguf"):
+    if is_gguf(model_dir):
         from ember.compiler.gguf import load_gguf_config  # noqa: PLC0415  (imports gguf)
 
         config = load_gguf_config(model_dir)
@@ -111,6 +111,11 @@ def read_model_spec(model_dir: str) -> ModelSpec:
         head_dim=head_dim,
         gguf_file=gguf_file,
     )
+
+
+def is_gguf(model: str) -> bool:
+    """True when `model` names a GGUF file (by extension; the file is checked when read)."""
+    return model.lower().endswith(".gguf")
 
 
 # "safetensors": only safetensors weights load; "auto": safetensors, else PyTorch .bin files.

@@ -105,8 +105,8 @@ def load_model(
     if quantization is not None and spec.checkpoint_dtype in (torch.bfloat16, torch.float16):
         # Quantized one linear at a time from the checkpoint's own 16-bit tensors (views of
         # the mapped file), never from an fp32 copy of the whole model.
-        load_dtype = narrow_dtype = spec.checkpoint_dtype
-        narrow = narrow_dtype != dtype
+        load_dtype = spec.checkpoint_dtype
+        narrow = load_dtype != dtype
     try:
         model = spec.auto_class.from_pretrained(
             spec.model_dir,

@@ -209,29 +209,31 @@ def quantize_int8_(model: nn.Module) -> int:
     return _replace_linears(model, Int8Linear)
 
 
-def _panels(t: torch.Tensor) -> torch.Tensor:
-    """[N, C] -> [ceil(N / panel), C, panel], zeros past N: pack_linear_weight's layout."""
+def _row_panels(t: torch.Tensor) -> torch.Tensor:
+    """[N, C] -> [ceil(N / panel), panel, C]: rows grouped by panel, zeros past N."""
     panel = kernels.panel_width()
     rows, cols = t.shape
     padded = t.new_zeros(-(-rows // panel) * panel, cols)
     padded[:rows] = t
-    return padded.view(-1, panel, cols).transpose(1, 2).contiguous()
+    return padded.view(-1, panel, cols)
 
 
-def _from_panels(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Rows (output channels) of a panel-packed [P, C, panel] tensor, as [..., C]."""
-    panel = t.shape[2]
-    return t[rows // panel, :, rows % panel]
+def _panels(t: torch.Tensor) -> torch.Tensor:
+    """[N, C] -> [ceil(N / panel), C, panel], zeros past N: pack_linear_weight's layout."""
+    return _row_panels(t).transpose(1, 2).contiguous()
 
 
 def _quad_panels(t: torch.Tensor) -> torch.Tensor:
     """Bytes [N, C] -> [ceil(N / panel), C / 4, panel, 4], zeros past N: each channel's 4
     consecutive bytes in one 32-bit lane, the layout integer dot products read."""
-    panel = kernels.panel_width()
-    rows, cols = t.shape
-    padded = t.new_zeros(-(-rows // panel) * panel, cols)
-    padded[:rows] = t
-    return padded.view(-1, panel, cols // 4, 4).permute(0, 2, 1, 3).contiguous()
+    grouped = _row_panels(t)
+    return grouped.unflatten(2, (-1, 4)).permute(0, 2, 1, 3).contiguous()
+
+
+def _from_panels(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows (output channels) of a panel-packed [P, C, panel, ...] tensor, as [..., C, ...]."""
+    panel = t.shape[2]
+    return t[rows // panel, :, rows % panel]
 
 
 class GroupLinear(nn.Module):
@@ -296,8 +298,7 @@ class GroupLinear(nn.Module):
         the reference the kernel is tested against)."""
         if isinstance(ids, slice):
             ids = torch.arange(self.out_features)[ids]
-        panel = self.codes.shape[2]
-        stored = self.codes[ids // panel, :, ids % panel]  # [..., K / 4 or K / 8, 4]
+        stored = _from_panels(self.codes, ids)  # [..., K / 4 or K / 8, 4]
         if self.bits == 8:
             codes = stored.flatten(-2).to(torch.int16) - 128
         else:

@@ -28,9 +28,10 @@ sums, y rounded to bf16 once): twice the fp32 FMA's multiply-adds per instructio
 
 `ember_cpu::group_linear(x, codes, scales, mins?, bias?, out_features, bits)`: group-quantized
 weights (GGUF's Q8_0, Q4_0 and Q4_1 blocks; `quantization="int4"`): 8- or 4-bit codes in groups
-of 32 k with fp16 scales (and offsets), packed in the same panels; see
-`ember.compiler.quant.GroupLinear`. fp16 weights (GGUF's F16 tensors) pack as bf16 ones do and
-are widened exactly.
+of 32 k with fp16 scales (and offsets), in panels of output channels with each channel's 4 or 8
+consecutive k in one 32-bit lane; x is quantized to int8 per group of 32 and the products are
+summed in int32 (VNNI / vpmaddubsw); see `ember.compiler.quant.GroupLinear`. fp16 weights
+(GGUF's F16 tensors) pack as bf16 ones do and are widened exactly.
 
 `ember_cpu::bf16_linear(x, w_bf16, bias?)`: bf16 weights in the checkpoint's [N, K] layout (bf16
 activations on AMX CPUs, and LM heads tied to the input embedding): the
@@ -94,9 +95,15 @@ def _packed_linear_fake(
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def _group_linear_fake(x: torch.Tensor, codes: torch.Tensor, *args: object) -> torch.Tensor:
-    out_features = args[3]
-    assert isinstance(out_features, int)
+def _group_linear_fake(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: object,
+    bias: object,
+    out_features: int,
+    bits: int,
+) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
 

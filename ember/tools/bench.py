@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ember import kernels
+from ember.compiler.hf_config import is_gguf
 from ember.host import user_cache_dir
 from ember.runtime.request import SamplingParams
 from ember.tools.checkpoints import build_checkpoint
@@ -130,7 +131,7 @@ def run_hf(
 
     t0 = time.perf_counter()
     kwargs: dict[str, Any] = {}
-    if model_dir.lower().endswith(".gguf"):  # HF dequantizes a GGUF file to `dtype`
+    if is_gguf(model_dir):  # HF dequantizes a GGUF file to `dtype`
         model_dir, kwargs["gguf_file"] = os.path.split(os.path.abspath(model_dir))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs).eval()
     ids = torch.tensor(prompts_for(workload, model.config.vocab_size))

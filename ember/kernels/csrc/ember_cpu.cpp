@@ -963,12 +963,12 @@ inline vint high_nibbles(vint v) {
 inline vfloat icvt(vint v) { return _mm512_cvtepi32_ps(v); }
 inline vint isub(vint a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
 inline vint iadd(vint a, vint b) { return _mm512_add_epi32(a, b); }
+inline vint flip_bytes(vint v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
 #if defined(__AVX512VNNI__)
-constexpr bool kVnni = true;
+#define EMBER_VNNI 1
 // acc += unsigned bytes a . signed bytes b, 4 per 32-bit lane.
 inline vint dot_u8s8(vint acc, vint a, vint b) { return _mm512_dpbusd_epi32(acc, a, b); }
 #else
-constexpr bool kVnni = false;
 inline vint dot_u8s8(vint acc, vint a, vint b) {  // a <= 15 (4-bit codes): no saturation
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)));
 }
@@ -995,11 +995,11 @@ inline vint high_nibbles(vint v) {
 inline vfloat icvt(vint v) { return _mm256_cvtepi32_ps(v); }
 inline vint isub(vint a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
 inline vint iadd(vint a, vint b) { return _mm256_add_epi32(a, b); }
+inline vint flip_bytes(vint v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
 #if defined(__AVXVNNI__)
-constexpr bool kVnni = true;
+#define EMBER_VNNI 1
 inline vint dot_u8s8(vint acc, vint a, vint b) { return _mm256_dpbusd_avx_epi32(acc, a, b); }
 #else
-constexpr bool kVnni = false;
 inline vint dot_u8s8(vint acc, vint a, vint b) {  // a <= 15 (4-bit codes): no saturation
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
 }
@@ -1011,18 +1011,15 @@ inline vint dot_s8s8(vint acc, vint a, vint b) {
 // 8-bit codes are stored as q + 128. With VNNI they are the unsigned operand and each group's
 // sum is corrected by 128 * sum(xq); without it they are flipped back to signed q once per
 // vector (shared by the rows) for the sign trick, which needs no correction.
-#if defined(__AVX512VNNI__) && defined(__AVX512F__) || defined(__AVXVNNI__) && !defined(__AVX512F__)
+#ifdef EMBER_VNNI
 inline vint codes8(vint v) { return v; }
 inline vint dot8(vint acc, vint codes, vint xb) { return dot_u8s8(acc, codes, xb); }
+constexpr int32_t kCode8Bias = 128;
 #else
-#if defined(__AVX512F__)
-inline vint codes8(vint v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
-#else
-inline vint codes8(vint v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
-#endif
+inline vint codes8(vint v) { return flip_bytes(v); }
 inline vint dot8(vint acc, vint codes, vint xb) { return dot_s8s8(acc, codes, xb); }
+constexpr int32_t kCode8Bias = 0;
 #endif
-constexpr int32_t kCode8Bias = kVnni ? 128 : 0;
 // Rows per register block: 4 vectors per row (two int32 group sums, two fp32 sums).
 constexpr int kGroupRowBlock = kLanes == 16 ? 6 : 2;
 #else
