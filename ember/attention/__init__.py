@@ -61,8 +61,11 @@ class AttentionBackend:
             return (2, num_blocks, num_kv_heads, block_size, head_dim)
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
-    def load_op(self) -> Callable[..., torch.Tensor]:
-        importlib.import_module(self.module)  # registers torch.ops.ember.<op_name>
+    def load_op(self, cpu_isa: str | None = None) -> Callable[..., torch.Tensor]:
+        """The op (a backend module may choose it by what loads here: `load_op(cpu_isa)`)."""
+        module = importlib.import_module(self.module)  # registers torch.ops.ember.<op_name>
+        if hasattr(module, "load_op"):
+            return module.load_op(cpu_isa)
         return getattr(torch.ops.ember, self.op_name)
 
     def release(self) -> None:

@@ -234,64 +234,69 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write the step's K/V into `kv_cache`, then attend. Shapes: see `ember.attention.ops`."""
     if softcap <= 0 and kernels.available():
-        # K/V writes and all decodes in one C++ call (ember.kernels); the rest below.
-        out = torch.zeros(query.shape)
-        left = torch.ops.ember_cpu.paged_attention_cpu(
-            out,
-            query,
-            key,
-            value,
-            kv_cache,
-            slot_mapping,
-            query_start_loc,
-            seq_lens,
-            block_tables,
-            scale,
-            sliding_window,
-            _SPLIT_MIN_TOKENS,
-        )
-        if left == 0:
-            return out.to(query.dtype)
-        attend_decodes, attend_chunks = bool(left & 2), bool(left & 1)
-    else:
-        write_kv(kv_cache, key, value, slot_mapping)
-        out = torch.zeros(query.shape, dtype=compute_dtype(kv_cache.dtype))
-        attend_decodes = attend_chunks = True
+        # `ember_cpu::paged_attention`: the same op in C++, which calls back into
+        # `attend_rest` below for what its decode kernel leaves.
+        return torch.ops.ember_cpu.paged_attention(
+            query, key, value, kv_cache, slot_mapping, query_start_loc, seq_lens,
+            block_tables, scale, sliding_window, softcap, causal,
+        )  # fmt: skip
+    write_kv(kv_cache, key, value, slot_mapping)
+    out = torch.zeros(query.shape, dtype=compute_dtype(kv_cache.dtype))
+    attend_rest(
+        out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window,
+        softcap, causal, _DECODES | _CHUNKS,
+    )  # fmt: skip
+    return out.to(query.dtype)
+
+
+# What `attend_rest` attends (the flags `ember_cpu::paged_attention_cpu` returns).
+_CHUNKS, _DECODES = 1, 2
+
+
+def attend_rest(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+    causal: bool,
+    which: int,
+) -> None:
+    """Attend the prefill chunks (`which & 1`) and/or the decodes (`which & 2`) of a step
+    whose K/V are already written, into `out` (rows of the other kind are left alone)."""
     qsl = query_start_loc.long()
     q_lens = qsl[1:] - qsl[:-1]
     seq_lens = seq_lens.long()
     # A one-token bidirectional sequence (an encoder input of length 1) is a decode too.
-    decodes = torch.nonzero(q_lens == 1).flatten()
-    chunks = torch.nonzero(q_lens > 1).flatten()
-    if attend_decodes and decodes.numel():
-        _attend_decodes(
-            out,
-            query,
-            kv_cache,
-            qsl[decodes],
-            seq_lens[decodes],
-            block_tables[decodes],
-            scale,
-            sliding_window,
-            softcap,
-        )
-    if attend_chunks and chunks.numel():
-        _attend_chunks(
-            out,
-            query,
-            kv_cache,
-            qsl[chunks],
-            q_lens[chunks],
-            seq_lens[chunks],
-            block_tables[chunks],
-            scale,
-            sliding_window,
-            softcap,
-            causal,
-        )
-    return out.to(query.dtype)
+    if which & _DECODES:
+        decodes = torch.nonzero(q_lens == 1).flatten()
+        if decodes.numel():
+            _attend_decodes(
+                out, query, kv_cache, qsl[decodes], seq_lens[decodes], block_tables[decodes],
+                scale, sliding_window, softcap,
+            )  # fmt: skip
+    if which & _CHUNKS:
+        chunks = torch.nonzero(q_lens > 1).flatten()
+        if chunks.numel():
+            _attend_chunks(
+                out, query, kv_cache, qsl[chunks], q_lens[chunks], seq_lens[chunks],
+                block_tables[chunks], scale, sliding_window, softcap, causal,
+            )  # fmt: skip
 
 
 paged_attention_op = define_op(
     "paged_attention", paged_attention, paged_attention_fake, mutates_args=("kv_cache",)
 )
+define_op("paged_attention_rest", attend_rest, lambda *args: None, mutates_args=("out",))
+
+
+def load_op(cpu_isa: str | None = None) -> torch._ops.OpOverloadPacket:
+    """The op compiled graphs call: `ember_cpu::paged_attention` when ember's kernels (the
+    `cpu_isa` build) load, so decode steps run no Python, else `ember::paged_attention`."""
+    if kernels.available(cpu_isa):
+        return torch.ops.ember_cpu.paged_attention
+    return torch.ops.ember.paged_attention

@@ -14,6 +14,8 @@ import importlib
 # op -> the module that registers it (importing it registers the op).
 OPAQUE_OPS: dict[str, str] = {
     "ember::paged_attention": "ember.attention.torch_cpu",
+    "ember::paged_attention_rest": "ember.attention.torch_cpu",
+    "ember_cpu::paged_attention": "ember.attention.torch_cpu",
     "ember::paged_attention_ipex": "ember.attention.ipex_cpu",
     "ember::paged_attention_triton": "ember.attention.triton_paged",
     "ember::write_kv_cache": "ember.attention.ops",
@@ -31,6 +33,6 @@ OPAQUE_OPS: dict[str, str] = {
 
 def register(op: str) -> None:
     """Import the module that defines `op` (the C++ ops: build and load the kernels)."""
-    module = importlib.import_module(OPAQUE_OPS[op])
-    if module.__name__ == "ember.kernels":
-        module.load()
+    importlib.import_module(OPAQUE_OPS[op])
+    if op.startswith("ember_cpu::"):
+        importlib.import_module("ember.kernels").load()

@@ -7,7 +7,9 @@ kernels), and `<cache_dir>/<key>/key.json` holds the readable parts of the key, 
 every graph is saved. The key covers everything the
 graphs depend on: model config, the rewritten model's structure (module types, tensor names,
 shapes and dtypes), dtype, weight quantization, token-bucket ladder, block size,
-inductor settings, torch version, CPU ISA, the exact -march=native target and ember's version.
+inductor settings, torch version, CPU ISA, the exact -march=native target, ember's version and a
+hash of ember's own source files (what a graph traces through, its ops included, changes with
+them even where the version does not).
 The engine uses a cache dir only if it is private (`ember.host.private_dir`: created 0700,
 owned by this user, writable by nobody else), since it loads pickled code from it. KV-cache
 size and max_model_len are dynamic graph dims, so they are not part of the key.
@@ -20,6 +22,7 @@ g++ on load. The directory keeps the built kernels.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -72,9 +75,26 @@ def key_parts(
         "cpu_target": cpu_target(),
         "kernels_isa": loaded.cpu_isa,
         "ember": __version__,
+        "ember_sources_sha256": sources_fingerprint(),
         "graphs": "aot_compile, no asserts",
         "linears": "packed panels, bf16 pairs",
     }
+
+
+@functools.cache
+def sources_fingerprint() -> str:
+    """sha256 over ember's .py and .cpp files (names and contents); about 1 ms."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if name.endswith((".py", ".cpp")):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
 
 
 def modules_fingerprint(model: torch.nn.Module) -> str:

@@ -67,9 +67,11 @@ def _attention_forward(
     return out[None], None
 
 
-def register_attention(backend: AttentionBackend) -> str:
-    """Register `backend`'s op in transformers' attention registry; returns the
-    `attn_implementation` name to load a model with ("ember_torch", "ember_triton", ...)."""
+def register_attention(backend: AttentionBackend, cpu_isa: str | None = None) -> str:
+    """Register `backend`'s op (for ember's `cpu_isa` kernel build) in transformers' attention
+    registry; returns the `attn_implementation` name to load a model with ("ember_torch",
+    "ember_triton", ...)."""
     name = f"ember_{backend.name}"
-    AttentionInterface.register(name, functools.partial(_attention_forward, backend.load_op()))
+    op = backend.load_op(cpu_isa)
+    AttentionInterface.register(name, functools.partial(_attention_forward, op))
     return name

@@ -111,7 +111,7 @@ def load_model(
         model = spec.auto_class.from_pretrained(
             spec.model_dir,
             dtype=load_dtype,
-            attn_implementation=register_attention(backend),
+            attn_implementation=register_attention(backend, cpu_isa),
             local_files_only=True,
             use_safetensors=True if load_format == "safetensors" else None,
             trust_remote_code=False,
@@ -187,7 +187,7 @@ def _load_gguf(
         )
     try:
         model = gguf.load_gguf_model(
-            path, spec.hf_config, spec.auto_class, register_attention(backend)
+            path, spec.hf_config, spec.auto_class, register_attention(backend, cpu_isa)
         )
         tokenizer = gguf.load_gguf_tokenizer(path)
     finally:

@@ -74,6 +74,10 @@ _panel = 0  # packed weight panel width of the loaded build
 _bf16_pairs = False  # the loaded build has pack_bf16_pairs (AVX512-BF16)
 
 
+def _attention_fake(query: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(query)
+
+
 def _register_fakes() -> None:
     """Shape functions of the C++ ops, so torch.compile can trace through them."""
     for name in ("bf16_linear", "fp32_linear"):
@@ -82,6 +86,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("ember_cpu::pack_linear_weight", _pack_fake)
     torch.library.register_fake("ember_cpu::pack_bf16_pairs", _pack_pairs_fake)
     torch.library.register_fake("ember_cpu::group_linear", _group_linear_fake)
+    torch.library.register_fake("ember_cpu::paged_attention", _attention_fake)
 
 
 def _linear_fake(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Tensor:

@@ -243,6 +243,35 @@ def test_paged_attention_opcheck(backend):
     torch.library.opcheck(op.default, args, test_utils=utils)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("op_name", ["ember::paged_attention", "ember_cpu::paged_attention"])
+def test_torch_backend_ops_agree_and_opcheck(op_name, softcap):
+    """The torch backend's two registrations of the op: the C++ one (which calls back into
+    `ember::paged_attention_rest` for prefill chunks and into the Python op for soft-capping)
+    and the Python one; both give the oracle's output on a mixed step."""
+    from ember import kernels
+
+    if op_name.startswith("ember_cpu") and not kernels.available():
+        pytest.skip("no C++ compiler")
+    load_backend("torch")
+    namespace, name = op_name.split("::")
+    op = getattr(getattr(torch.ops, namespace), name)
+    backend = select_backend("torch")
+    out, refs, n = _run_case(
+        (backend, op), CASES["mixed"], 4, 2, 8, 4, torch.float32, softcap=softcap
+    )
+    torch.testing.assert_close(out[:n], torch.cat(refs), atol=2e-5, rtol=2e-5)
+    block_size, H, Hkv, D = 4, 4, 2, 8
+    kv_cache = torch.randn(backend.kv_cache_shape(8, block_size, Hkv, D))
+    meta, _ = build_attention_metadata([3, 0], [1, 6], [(1, 2), (3, 4)], block_size, 4, 9, 3)
+    args = (
+        torch.randn(9, H, D), torch.randn(9, Hkv, D), torch.randn(9, Hkv, D), kv_cache,
+        meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables, D**-0.5, 0,
+        softcap, True,
+    )  # fmt: skip
+    torch.library.opcheck(op.default, args)
+
+
 def test_cpp_decode_kernel_builds_here():
     """The C++ decode path is the one the engine takes on this machine (g++ is present, as
     inductor needs it too), so the oracle cases above exercise it."""
@@ -257,7 +286,7 @@ def test_torch_backend_pytorch_fallback_without_cpp_kernels(monkeypatch, case, d
     """Where ember's C++ kernels cannot be built, decodes take the pure-PyTorch path."""
     from ember import kernels
 
-    monkeypatch.setattr(kernels, "available", lambda: False)
+    monkeypatch.setattr(kernels, "available", lambda isa=None: False)
     out, refs, _ = _run_case(load_backend("torch"), CASES[case], 4, 2, 16, 4, dtype)
     torch.testing.assert_close(
         out[: sum(r.shape[0] for r in refs)].float(),

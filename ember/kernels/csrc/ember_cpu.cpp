@@ -2,6 +2,7 @@
 // Built once per machine by torch's cpp_extension with -O3 -march=native.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include <algorithm>
 #include <array>
@@ -1426,6 +1427,21 @@ void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
   });
 }
 
+// An index tensor's values as contiguous int64: its own data when it is that already, else
+// widened into `buf` (the runner's int32 metadata) without an ATen allocation per call.
+const int64_t* as_int64(const at::Tensor& t, std::vector<int64_t>& buf) {
+  if (t.scalar_type() == at::kLong && t.is_contiguous()) return t.data_ptr<int64_t>();
+  buf.resize(t.numel());
+  if (t.scalar_type() == at::kInt && t.is_contiguous()) {
+    const int32_t* p = t.data_ptr<int32_t>();
+    std::copy(p, p + t.numel(), buf.begin());
+  } else {
+    const at::Tensor l = t.to(at::kLong).contiguous();
+    std::copy(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel(), buf.begin());
+  }
+  return buf.data();
+}
+
 // cache[0 / 1] rows at `slot_mapping` = key / value rows ([T, Hkv, D], cast to the cache's
 // dtype): plain row copies, no indexing dispatch.
 void write_slots(at::Tensor& cache, const at::Tensor& key, const at::Tensor& value,
@@ -1434,10 +1450,10 @@ void write_slots(at::Tensor& cache, const at::Tensor& key, const at::Tensor& val
   const int64_t T = slot_mapping.numel(), elem = cache.element_size();
   TORCH_CHECK(key.numel() == T * row && value.numel() == T * row,
               "paged_attention_cpu: key/value must hold one [Hkv, D] row per slot");
-  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  std::vector<int64_t> slots_buf;
+  const int64_t* sp = as_int64(slot_mapping, slots_buf);
   const at::Tensor k = key.to(cache.scalar_type()).contiguous();
   const at::Tensor v = value.to(cache.scalar_type()).contiguous();
-  const int64_t* sp = slots.data_ptr<int64_t>();
   char* base = static_cast<char*>(cache.data_ptr());
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
@@ -1465,13 +1481,12 @@ int64_t paged_attention_cpu(at::Tensor out, const at::Tensor& query, const at::T
               "paged_attention_cpu: the cache must be float32 or bfloat16");
   const int64_t Hkv = cache.size(3), D = cache.size(4), H = query.size(1);
   write_slots(cache, key, value, slot_mapping);
-  const at::Tensor qsl_t = query_start_loc.to(at::kLong).contiguous();
-  const at::Tensor lens_t = seq_lens.to(at::kLong).contiguous();
-  const int64_t* qsl = qsl_t.data_ptr<int64_t>();
-  const int64_t* lens = lens_t.data_ptr<int64_t>();
+  std::vector<int64_t> qsl_buf, lens_buf, tables_buf;
+  const int64_t* qsl = as_int64(query_start_loc, qsl_buf);
+  const int64_t* lens = as_int64(seq_lens, lens_buf);
   std::vector<int64_t> decodes;
   int64_t flags = 0, max_len = 0;
-  for (int64_t i = 0; i < lens_t.size(0); ++i) {
+  for (int64_t i = 0; i < seq_lens.numel(); ++i) {
     const int64_t q_len = qsl[i + 1] - qsl[i];
     if (q_len == 1) {
       decodes.push_back(i);
@@ -1484,17 +1499,59 @@ int64_t paged_attention_cpu(at::Tensor out, const at::Tensor& query, const at::T
   const int64_t tasks = static_cast<int64_t>(decodes.size()) * Hkv;
   if (tasks < at::get_num_threads() && max_len >= 2 * split_min_tokens) return flags | 2;
   const at::Tensor q = query.to(at::kFloat).contiguous();
-  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const int64_t* tables = as_int64(block_tables, tables_buf);
+  const int64_t max_blocks = block_tables.size(1);
   const float sc = static_cast<float>(scale);
   if (cache.scalar_type() == at::kFloat) {
     attend_decodes<float>(out.data_ptr<float>(), q.data_ptr<float>(), cache, decodes, qsl, lens,
-                          tables.data_ptr<int64_t>(), tables.size(1), H, sc, sliding_window);
+                          tables, max_blocks, H, sc, sliding_window);
   } else {
     attend_decodes<c10::BFloat16>(out.data_ptr<float>(), q.data_ptr<float>(), cache, decodes,
-                                  qsl, lens, tables.data_ptr<int64_t>(), tables.size(1), H, sc,
-                                  sliding_window);
+                                  qsl, lens, tables, max_blocks, H, sc, sliding_window);
   }
   return flags;
+}
+
+// Below this many tokens of context per partition the flash-decoding split does not pay (the
+// same value as ember.attention.torch_cpu's _SPLIT_MIN_TOKENS).
+constexpr int64_t kSplitMinTokens = 512;
+
+// `ember::paged_attention` (the torch backend's op, contract in ember.attention.ops) with the
+// common case in C++: a decode step runs no Python at all (the Python op's own wrapper cost
+// ~10 us per layer). What `paged_attention_cpu` leaves (prefill chunks, split decodes) and
+// soft-capped models go to the PyTorch code through the dispatcher
+// (`ember::paged_attention_rest` / `ember::paged_attention`, ember.attention.torch_cpu).
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,
+                           const at::Tensor& value, at::Tensor cache,
+                           const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                           double scale, int64_t sliding_window, double softcap, bool causal) {
+  if (softcap > 0) {
+    static const auto python_op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("ember::paged_attention", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, double, int64_t, double,
+                              bool)>();
+    return python_op.call(query, key, value, cache, slot_mapping, query_start_loc, seq_lens,
+                          block_tables, scale, sliding_window, softcap, causal);
+  }
+  at::Tensor out = at::zeros(query.sizes(), query.options().dtype(at::kFloat));
+  const int64_t left =
+      paged_attention_cpu(out, query, key, value, cache, slot_mapping, query_start_loc,
+                          seq_lens, block_tables, scale, sliding_window, kSplitMinTokens);
+  if (left != 0) {
+    static const auto rest =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("ember::paged_attention_rest", "")
+            .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                        int64_t, double, bool, int64_t)>();
+    rest.call(out, query, cache, query_start_loc, seq_lens, block_tables, scale, sliding_window,
+              softcap, causal, left);
+  }
+  return query.scalar_type() == at::kFloat ? out : out.to(query.scalar_type());
 }
 
 }  // namespace
@@ -1506,6 +1563,10 @@ TORCH_LIBRARY(ember_cpu, m) {
       "paged_attention_cpu(Tensor(a!) out, Tensor query, Tensor key, Tensor value, "
       "Tensor(b!) cache, Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_tables, float scale, int sliding_window, int split_min_tokens) -> int");
+  m.def(
+      "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
+      "Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
+      "float scale, int sliding_window, float softcap, bool causal) -> Tensor");
   m.def("pack_linear_weight(Tensor w) -> Tensor");
   m.def("pack_bf16_pairs(Tensor w) -> Tensor");
   m.def(
@@ -1520,6 +1581,7 @@ TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
   m.impl("bf16_linear", &bf16_linear);
   m.impl("fp32_linear", &fp32_linear);
   m.impl("paged_attention_cpu", &paged_attention_cpu);
+  m.impl("paged_attention", &paged_attention);
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("packed_linear", &packed_linear);
   m.impl("pack_bf16_pairs", &pack_bf16_pairs);
