@@ -113,6 +113,38 @@ def read_model_spec(model_dir: str) -> ModelSpec:
     )
 
 
+# Files a checkpoint needs from a hub repository (never its .bin/.pt pickles or GGUF copies
+# unless asked for).
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja", "*.py"]
+
+
+def resolve_model(model: str, revision: str | None = None, load_format: str = "safetensors") -> str:
+    """A local path for `model`: itself when it exists, else a Hugging Face hub id ("org/name")
+    resolved through `huggingface_hub` as transformers and vLLM do: the local HF cache
+    (`HF_HUB_CACHE`), downloading only where the machine is online and `HF_HUB_OFFLINE` is
+    unset. Raises ValueError naming the id when neither works."""
+    if os.path.exists(model) or is_gguf(model):
+        if revision is not None and os.path.isdir(model):
+            raise ValueError(f"revision={revision!r} needs a hub id, but {model!r} is a directory")
+        return model
+    from huggingface_hub import snapshot_download  # noqa: PLC0415
+    from huggingface_hub.utils import HFValidationError  # noqa: PLC0415
+
+    patterns = _HUB_PATTERNS + (["*.bin"] if load_format == "auto" else [])
+    try:
+        return snapshot_download(model, revision=revision, allow_patterns=patterns)
+    except HFValidationError as e:
+        raise ValueError(
+            f"model must be a local checkpoint directory, a GGUF file or a hub id, got "
+            f"{model!r}: {e}"
+        ) from e
+    except Exception as e:  # noqa: BLE001  (offline, not cached, unknown repo or revision)
+        raise ValueError(
+            f"model {model!r} (revision {revision or 'main'}) is neither a local directory nor "
+            f"in the Hugging Face cache, and could not be downloaded: {type(e).__name__}: {e}"
+        ) from e
+
+
 def is_gguf(model: str) -> bool:
     """True when `model` names a GGUF file (by extension; the file is checked when read)."""
     return model.lower().endswith(".gguf")

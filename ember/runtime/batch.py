@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ember.attention.metadata import NULL_BLOCK, AttentionMetadata, build_attention_metadata
+from ember.runtime.logits import LogitsControls
 from ember.runtime.request import SamplingParams
 
 
@@ -41,6 +42,7 @@ class ScheduledRequest:
     num_encoder_tokens: int = 0
     lora_id: int | None = None
     pool: bool = False
+    controls: LogitsControls | None = None  # the request's logits controls, if any
 
     @property
     def num_new_tokens(self) -> int:
@@ -107,9 +109,12 @@ def warmup_plan(num_tokens: int, chunk: int, block_size: int, cross: bool = Fals
 class ForwardBatch:
     """The tensors one forward consumes, padded to a bucket.
 
-    input_ids [num_tokens], positions [num_tokens], logits_indices [num_seqs] (the last token
-    of each sequence; padding sequences point at row 0 and are dropped), lora_slots
-    [num_tokens] (the adapter slot of each token, -1 for none; None without LoRA).
+    input_ids [num_tokens], positions [num_tokens], logits_indices [num_seqs + extra] (the
+    last token of each sequence; padding sequences point at row 0 and are dropped; then the
+    rows of `prompt_rows`), lora_slots [num_tokens] (the adapter slot of each token, -1 for
+    none; None without LoRA). `prompt_rows`: (request index, first prompt position predicted,
+    count) per request with `prompt_logprobs` whose prompt tokens this step computes: logits
+    rows `num_seqs + ...` predict those prompt tokens, in order.
     """
 
     input_ids: torch.Tensor
@@ -117,6 +122,7 @@ class ForwardBatch:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
     lora_slots: torch.Tensor | None = None
+    prompt_rows: tuple[tuple[int, int, int], ...] = ()
 
 
 def build_forward_batch(
@@ -156,8 +162,21 @@ def build_forward_batch(
     input_ids[: plan.num_tokens] = torch.tensor(
         [t for r in reqs for t in r.token_ids], dtype=torch.long
     )
-    logits_indices = torch.zeros(num_seqs_padded, dtype=torch.long)
-    logits_indices[: len(reqs)] = torch.tensor(num_new).cumsum(0) - 1
+    ends = torch.tensor(num_new).cumsum(0)
+    indices = [torch.zeros(num_seqs_padded, dtype=torch.long)]
+    indices[0][: len(reqs)] = ends - 1
+    # Prompt logprobs: the logits of every computed prompt token but the last predict the
+    # next prompt token (the last one's row is the sampling row above).
+    prompt_rows = []
+    for i, r in enumerate(reqs):
+        if r.params.prompt_logprobs is None or r.pool:
+            continue
+        count = min(r.num_new_tokens, len(r.prompt_token_ids) - 1 - r.num_computed_tokens)
+        if count > 0:
+            first = int(ends[i]) - r.num_new_tokens
+            indices.append(torch.arange(first, first + count))
+            prompt_rows.append((i, r.num_computed_tokens + 1, count))
+    logits_indices = torch.cat(indices) if prompt_rows else indices[0]
     lora_slots = None
     if lora_slot_of is not None:
         lora_slots = torch.tensor(
@@ -168,7 +187,7 @@ def build_forward_batch(
             ],
             dtype=torch.long,
         )
-    return ForwardBatch(input_ids, positions, meta, logits_indices, lora_slots)
+    return ForwardBatch(input_ids, positions, meta, logits_indices, lora_slots, tuple(prompt_rows))
 
 
 @dataclass(frozen=True)
@@ -190,3 +209,5 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs]
     pooled: dict[str, list[float]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    # Requests with prompt_logprobs: (first prompt position, logprobs of each position on).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,13 @@ from typing import Any
 import torch
 
 from ember.attention import BACKEND_NAMES, select_backend
-from ember.compiler.hf_config import LOAD_FORMATS, ModelSpec, check_weights_format, read_model_spec
+from ember.compiler.hf_config import (
+    LOAD_FORMATS,
+    ModelSpec,
+    check_weights_format,
+    read_model_spec,
+    resolve_model,
+)
 from ember.compiler.quant import QUANTIZATIONS
 from ember.host import CPU_ISAS, cpu_has_native_bf16
 from ember.runtime.pooling import max_seq_length
@@ -43,7 +50,7 @@ def _help(text: str, **extra: Any) -> Any:
 class EngineArgs:
     """Every engine knob a user sets, with its default (vLLM meaning where vLLM has the knob).
 
-    `model` is a local HF checkpoint directory or a GGUF file (`*.gguf`). See
+    `model` is a local HF checkpoint directory, a GGUF file (`*.gguf`) or a hub id. See
     `create_engine_config` for validation: bad values raise `ValueError` naming the knob and
     the range.
     """
@@ -114,9 +121,26 @@ class EngineArgs:
         ),
     )
 
+    revision: str | None = field(
+        default=None,
+        metadata=_help("hub revision (branch, tag or commit) when model is a hub id"),
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata=_help(
+            "default SamplingParams of generate() without any: auto = the model's generation "
+            "config (its temperature, top_p, top_k, min_p, repetition_penalty, "
+            "max_new_tokens), vllm = SamplingParams' own defaults, or a directory with a "
+            "generation_config.json (EOS ids always come from the model's)"
+        ),
+    )
+
     def create_engine_config(self) -> EngineConfig:
         """Read the checkpoint's config once, resolve "auto" values against it and the CPU,
         and build the frozen, validated config."""
+        model = resolve_model(self.model, self.revision, self.load_format)
+        if model != self.model:  # a hub id: every later read is of the local snapshot
+            return dataclasses.replace(self, model=model, revision=None).create_engine_config()
         spec = read_model_spec(self.model)
         dtype, quantization = self.dtype, self.quantization
         if dtype == "int8":
@@ -155,6 +179,9 @@ class EngineArgs:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         check_weights_format(self.model, self.load_format)
+        gc = self.generation_config
+        if not isinstance(gc, str) or (gc not in ("auto", "vllm") and not os.path.isdir(gc)):
+            raise ValueError(f"generation_config must be auto, vllm or a directory, got {gc!r}")
         weight_dtype = resolve_dtype(dtype, spec.checkpoint_dtype)
         run_dtype = compute_dtype(weight_dtype, self.cpu_isa)
         backend = select_backend(self.attention_backend, spec.attention_features(run_dtype))
@@ -182,6 +209,7 @@ class EngineArgs:
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
             load_format=self.load_format,
+            generation_config=self.generation_config,
         )
 
     @staticmethod
@@ -193,7 +221,7 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             kwargs: dict[str, Any] = {"help": f.metadata.get("help"), "default": f.default}
             if f.name == "model":
-                kwargs.update(default=None, help="local HF checkpoint dir")
+                kwargs.update(default=None, help="local HF checkpoint dir, GGUF file or hub id")
             elif f.default is True or f.default is False:
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif f.name == "token_buckets":
@@ -301,6 +329,7 @@ class EngineConfig:
     max_lora_rank: int
     cpu_isa: str
     load_format: str = "safetensors"
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         _check_range("kv_cache_gib", self.kv_cache_gib, 1e-6, 1024)

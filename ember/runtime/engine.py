@@ -23,6 +23,7 @@ from ember.lora.adapter import LoRARequest
 from ember.lora.manager import LoRAManager
 from ember.runtime.block_manager import BlockManager
 from ember.runtime.config import EngineConfig, KVCacheSpec
+from ember.runtime.logits import resolve as resolve_controls
 from ember.runtime.model_runner import ModelRunner
 from ember.runtime.outputs import (
     CompletionOutput,
@@ -97,7 +98,8 @@ class LLMEngine:
         model = loaded.model
         embed = model.get_input_embeddings()  # type: ignore[operator]
         self.vocab_size = int(getattr(embed, "num_embeddings", None) or embed.weight.shape[0])  # type: ignore[index]
-        self.eos_token_id = _eos_id(model, self.tokenizer)
+        self.eos_token_id, self.other_eos_ids = _eos_ids(model, self.tokenizer)
+        self.default_sampling = _sampling_defaults(model, config.generation_config)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -174,15 +176,26 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"prompt must be a string, a token-id list or a dict, got {type(prompt)}")
 
+    def _truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """`truncate_prompt_tokens`: the last `keep` tokens (-1: the last max_model_len - 1,
+        which leaves room for one output token)."""
+        if keep is None:
+            return token_ids
+        if keep == -1:
+            keep = self.config.max_model_len - 1
+        return token_ids[-keep:]
+
     def _tokenize_encoder_decoder(
-        self, prompt: PromptType
+        self, prompt: PromptType, truncate: int | None = None
     ) -> tuple[str | None, list[int], list[int]]:
         """(encoder text, decoder prompt ids, encoder ids) of an encoder-decoder prompt.
 
         A string / token list / `{"prompt": ...}` is the encoder input; or
         `{"encoder_prompt": ..., "decoder_prompt": ...}` with either part a string, a token list
-        or `{"prompt_token_ids": [...]}`. The decoder prompt always starts with the model's
-        decoder_start_token_id; a text decoder prompt is tokenized without special tokens.
+        or `{"prompt_token_ids": [...]}`. The decoder prompt starts with the model's
+        decoder_start_token_id: it is prepended unless the decoder prompt already starts with
+        it (HF `generate`'s rule for `decoder_input_ids`); a text decoder prompt is tokenized
+        without special tokens. `truncate` (`truncate_prompt_tokens`) cuts the encoder input.
         """
         decoder: Any = None
         if isinstance(prompt, dict) and "encoder_prompt" in prompt:
@@ -190,16 +203,19 @@ class LLMEngine:
         else:
             encoder = prompt
         text, encoder_ids = self.tokenize(encoder)
+        encoder_ids = self._truncate(encoder_ids, truncate)
         start = getattr(self.model_config, "decoder_start_token_id", None)
         if start is None:
             raise ValueError(f"model {self.config.model!r} has no decoder_start_token_id")
-        decoder_ids = [int(start)]
+        decoder_ids: list[int] = []
         if isinstance(decoder, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompt_token_ids")
-            decoder_ids += list(self.tokenizer(decoder, add_special_tokens=False)["input_ids"])
+            decoder_ids = list(self.tokenizer(decoder, add_special_tokens=False)["input_ids"])
         elif decoder is not None:
-            decoder_ids += self.tokenize(decoder)[1]
+            decoder_ids = self.tokenize(decoder)[1]
+        if not decoder_ids or decoder_ids[0] != int(start):
+            decoder_ids.insert(0, int(start))
         limit = self.model_config.max_position_embeddings
         if len(encoder_ids) > limit:
             raise ValueError(
@@ -224,8 +240,10 @@ class LLMEngine:
                 "leaves no room for output (prompt must be shorter than max_model_len)"
             )
         self._check_token_ids(token_ids, "prompt")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be <= max_logprobs={self.config.max_logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(f"{name} must be <= max_logprobs={self.config.max_logprobs}")
 
     @_one_thread
     def add_request(
@@ -261,10 +279,17 @@ class LLMEngine:
             )
         encoder_ids = None
         if self.config.task == "encdec":
-            text, token_ids, encoder_ids = self._tokenize_encoder_decoder(prompt)
+            text, token_ids, encoder_ids = self._tokenize_encoder_decoder(
+                prompt, params.truncate_prompt_tokens
+            )
         else:
             text, token_ids = self.tokenize(prompt)
+            token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
         self._validate_prompt(token_ids, params)
+        stop_ids = [*params.stop_ids, *self.other_eos_ids]
+        if self.eos_token_id is not None:
+            stop_ids.append(self.eos_token_id)
+        controls = resolve_controls(params, self.vocab_size, self.tokenizer, stop_ids)
         max_tokens = min(
             params.max_tokens or self.config.max_model_len,
             self.config.max_model_len - len(token_ids),
@@ -284,6 +309,8 @@ class LLMEngine:
                 detokenizer=IncrementalDetokenizer(
                     self.tokenizer, token_ids, params.skip_special_tokens
                 ),
+                other_eos_ids=self.other_eos_ids,
+                controls=controls,
             )
             for i in range(params.n)
         ]
@@ -374,6 +401,7 @@ class LLMEngine:
             finished,
             max(parent.children[0].num_cached_tokens, 0),
             error=error,
+            prompt_logprobs=parent.children[0].prompt_logprobs,
         )
 
     def num_free_blocks(self) -> int:
@@ -482,13 +510,58 @@ def _embedding_output(parent: _ParentState) -> EmbeddingRequestOutput:
     )
 
 
-def _eos_id(model: torch.nn.Module, tokenizer: Any) -> int | None:
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int | None, frozenset[int]]:
+    """(the model's EOS, the other EOS ids that stop it), as vLLM reads them: the tokenizer's
+    EOS (else the generation config's first), and every id of the generation config's
+    `eos_token_id` (generation_config.json, else the model config's), which may be a list
+    (Llama 3 instruct: <|end_of_text|>, <|eom_id|>, <|eot_id|>)."""
     gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    if isinstance(eos, Sequence):
-        eos = eos[0] if eos else None
-    return eos
+    listed = _as_ids(getattr(gen, "eos_token_id", None) if gen is not None else None)
+    listed = listed or _as_ids(getattr(model.config, "eos_token_id", None))
+    primary = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if primary is None:
+        primary = listed[0] if listed else None
+    return primary, frozenset(listed) - {primary}
+
+
+# The generation-config fields that become default SamplingParams (vLLM's list).
+_SAMPLING_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def _sampling_defaults(model: torch.nn.Module, source: str) -> dict[str, Any]:
+    """The SamplingParams fields the model's generation config sets away from transformers'
+    defaults (`generation_config="auto"`), or those of a generation config in the directory
+    `source`; none for "vllm" (SamplingParams' own defaults)."""
+    if source == "vllm":
+        return {}
+    if source == "auto":
+        gen = getattr(model, "generation_config", None)
+    else:
+        from transformers import GenerationConfig
+
+        try:
+            gen = GenerationConfig.from_pretrained(source, local_files_only=True)
+        except OSError as e:
+            raise ValueError(
+                f"generation_config={source!r} must be auto, vllm or a directory with a "
+                f"generation_config.json: {e}"
+            ) from e
+    if gen is None:
+        return {}
+    diff = gen.to_diff_dict()
+    return {ours: diff[theirs] for theirs, ours in _SAMPLING_DEFAULTS.items() if theirs in diff}

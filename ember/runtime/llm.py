@@ -50,6 +50,11 @@ class LLM:
     def get_tokenizer(self):  # noqa: ANN201
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses without `sampling_params`: the model's generation-config
+        sampling values over SamplingParams' defaults (`generation_config="auto"`, as vLLM)."""
+        return SamplingParams(**self.llm_engine.default_sampling)
+
     @_serialised
     def generate(
         self,
@@ -78,7 +83,7 @@ class LLM:
             [prompts] if isinstance(prompts, (str, dict)) else list(prompts)  # type: ignore[arg-type]
         )
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:
@@ -117,6 +122,78 @@ class LLM:
                 self.llm_engine.abort_request(request_id)
             raise
         return self._run(ids, use_tqdm, rejected, raise_on_error)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of `{"role", "content"}` messages) or
+        a list of them, as vLLM's `LLM.chat`: each is rendered with the tokenizer's chat
+        template (or `chat_template`) through `apply_chat_template`, tokenized without adding
+        special tokens (the template has them), then generated as `generate` does.
+
+        `content` is a string or a list of OpenAI parts; text parts are joined with newlines
+        for templates that expect strings (`chat_template_content_format="auto"` or
+        "string"), or passed as they are ("openai"). Raises ValueError when the model has no
+        chat template and none is given.
+        """
+        conversations = _conversations(messages)
+        prompts = [
+            self._render_chat(
+                conv, chat_template, chat_template_content_format, add_generation_prompt,
+                continue_final_message, tools, chat_template_kwargs or {},
+            )
+            for conv in conversations
+        ]  # fmt: skip
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def _render_chat(
+        self,
+        conversation: list[dict[str, Any]],
+        chat_template: str | None,
+        content_format: str,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+    ) -> dict[str, Any]:
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("LLM.chat needs a tokenizer; this model has none")
+        if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                f"model {self.config.model!r} has no chat template: pass chat_template to "
+                "LLM.chat (a Jinja template string)"
+            )
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
+        if content_format not in ("auto", "string", "openai"):
+            raise ValueError(
+                "chat_template_content_format must be auto, string or openai, got "
+                f"{content_format!r}"
+            )
+        if content_format != "openai":
+            conversation = [_string_content(m) for m in conversation]
+        text = tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **kwargs,
+        )
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return {"prompt": text, "prompt_token_ids": list(ids)}
 
     @_serialised
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -220,6 +297,37 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
+    """One conversation (a list of message dicts) or a list of them, as a list of them."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    for conv in conversations:
+        if not isinstance(conv, Sequence) or not conv:
+            raise ValueError("each conversation must be a non-empty list of messages")
+        for m in conv:
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError(f"a chat message must be a dict with a 'role', got {m!r}")
+    return [list(c) for c in conversations]
+
+
+def _string_content(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` with list-of-parts content joined into one string (text parts only)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text":
+            texts.append(str(part.get("text", "")))
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"chat content part of type {kind!r} is not supported (text only)")
+    return {**message, "content": "\n".join(texts)}
 
 
 def _error_output(request_id: str, prompt: PromptType, error: Exception) -> RequestOutput:

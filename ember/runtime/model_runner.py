@@ -29,8 +29,9 @@ from ember.runtime.batch import (
 )
 from ember.runtime.buckets import graph_sizes, padded_num_seqs, padded_num_tokens
 from ember.runtime.config import EngineConfig
+from ember.runtime.logits import apply_controls
 from ember.runtime.pooling import PoolingConfig, pool
-from ember.runtime.sampler import non_finite_rows, sample
+from ember.runtime.sampler import non_finite_rows, prompt_logprobs, sample
 
 
 class ModelRunner:
@@ -116,27 +117,38 @@ class ModelRunner:
         generate = plan.select(pool=False)
         if not generate.requests:
             return RunnerOutput({}, {}, pooled)
-        logits = self._forward(generate, self.forwards.step, self.config.max_blocks_per_seq)
+        batch = self._batch(generate, self.forwards.step, self.config.max_blocks_per_seq)
+        logits = self._run(batch, self.forwards.step)
+        prompt_lps = {}
+        if batch.prompt_rows:
+            prompt_lps = prompt_logprobs(logits, generate.requests, batch.prompt_rows)
         rows = [i for i, r in enumerate(generate.requests) if r.sample]
         if not rows:
-            return RunnerOutput({}, {}, pooled)
-        logits = logits[rows]
-        # A request whose logits row is NaN/inf fails alone; the others sample as usual.
-        errors: dict[str, str] = {}
-        bad = set(non_finite_rows(logits))
-        for i in bad:
-            r = generate.requests[rows[i]]
+            return RunnerOutput({}, {}, pooled, prompt_logprobs=prompt_lps)
+        raw = logits[rows].float()
+        sampling = [generate.requests[i] for i in rows]
+        logits, failed = apply_controls(
+            raw,
+            [r.controls for r in sampling],
+            [r.prompt_token_ids for r in sampling],
+            [r.output_token_ids for r in sampling],
+        )
+        # A request whose logits row is NaN/inf (or whose own logits processor failed) fails
+        # alone; the others sample as usual.
+        errors = {sampling[i].request_id: error for i, error in failed.items()}
+        for i in set(non_finite_rows(logits)) - failed.keys():
+            r = sampling[i]
             errors[r.request_id] = (
                 f"the model's logits for request {r.request_id!r} contain NaN or inf at output "
-                f"token {len(r.output_token_ids)} (adapter: {r.lora_id}); no token was sampled"
+                f"token {len(r.output_token_ids)} (adapter: {r.lora_id}; after the request's "
+                "logits controls, if any); no token was sampled"
             )
-        if bad:
-            good = [i for i in range(len(rows)) if i not in bad]
-            rows, logits = [rows[i] for i in good], logits[good]
-        sampling = [generate.requests[i] for i in rows]
-        tokens, logprobs = sample(logits, sampling) if sampling else ([], {})
+        if errors:
+            good = [i for i, r in enumerate(sampling) if r.request_id not in errors]
+            sampling, raw, logits = [sampling[i] for i in good], raw[good], logits[good]
+        tokens, logprobs = sample(logits, sampling, raw) if sampling else ([], {})
         sampled = {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
-        return RunnerOutput(sampled, logprobs, pooled, errors)
+        return RunnerOutput(sampled, logprobs, pooled, errors, prompt_lps)
 
     def _forward(
         self, plan: StepPlan, forward: Forward, max_blocks: int, cross: bool = True

@@ -37,6 +37,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (the first is None).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

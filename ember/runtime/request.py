@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ember.runtime.outputs import IncrementalDetokenizer, Logprob
+
+if TYPE_CHECKING:
+    from ember.runtime.logits import LogitsControls
 
 
 def _is_int(x: object) -> bool:
@@ -28,10 +32,22 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling knobs with vLLM's meaning. Invalid values raise `ValueError` here.
+    """Per-request sampling knobs with vLLM's meaning. Invalid values raise `ValueError` here
+    (and, for what needs the model's vocabulary or tokenizer, when the request is added).
 
     temperature 0 means greedy; top_k 0 or -1 disables top-k; logprobs is the number of top
-    logprobs returned per generated token (None returns none).
+    logprobs returned per generated token (None returns none), prompt_logprobs the same for
+    each prompt token (the first gets None).
+
+    Logits controls, applied in this order to the model's logits before penalties and
+    sampling (logprobs stay those of the model's own distribution): `logits_processors`
+    (callables `f(output_ids, logits_row)` or `f(prompt_ids, output_ids, logits_row)` returning
+    the row), `allowed_token_ids` (every other token is masked), `bad_words` (a word's last
+    token is masked wherever the output ends with its other tokens; each word with and
+    without a leading space), `logit_bias` (token id -> bias added, clamped to [-100, 100]),
+    and `min_tokens` (EOS and stop tokens are masked, and stop strings are not matched, until
+    that many tokens are out). `truncate_prompt_tokens` keeps only the last k prompt tokens
+    (-1: the last max_model_len - 1).
     """
 
     n: int = 1
@@ -51,6 +67,13 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = field(default_factory=lambda: RequestOutputKind.CUMULATIVE)
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    logits_processors: list[Callable[..., Any]] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -83,6 +106,58 @@ class SamplingParams:
         self.stop_token_ids = ids
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        pl = self.prompt_logprobs
+        if pl is not None and (not _is_int(pl) or pl < 0):
+            raise ValueError(f"prompt_logprobs must be None or an integer >= 0, got {pl!r}")
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            allowed = list(self.allowed_token_ids)
+            if not allowed or not all(_is_int(t) and t >= 0 for t in allowed):
+                raise ValueError(
+                    "allowed_token_ids must be a non-empty list of non-negative integers, got "
+                    f"{self.allowed_token_ids!r}"
+                )
+            self.allowed_token_ids = allowed
+        words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+        if words is not None:
+            if not all(isinstance(w, str) and w.strip() for w in words):
+                raise ValueError(f"bad_words must be non-empty strings, got {words!r}")
+            self.bad_words = list(dict.fromkeys(words))
+        tp = self.truncate_prompt_tokens
+        if tp is not None and (not _is_int(tp) or (tp < 1 and tp != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be None, -1 or >= 1, got {tp!r}")
+        if self.logits_processors is not None:
+            procs = list(self.logits_processors)
+            if not all(callable(f) for f in procs):
+                raise ValueError("logits_processors must be a list of callables")
+            self.logits_processors = procs
+
+    @staticmethod
+    def _normalise_logit_bias(bias: dict[Any, float] | None) -> dict[int, float] | None:
+        """Token ids as ints (vLLM accepts their strings too, as JSON keys are), biases clamped
+        to [-100, 100]."""
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            if token < 0 or isinstance(key, (bool, float)):
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {key!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise ValueError(f"logit_bias[{key!r}] must be a number, got {value!r}")
+            out[token] = min(100.0, max(-100.0, float(value)))
+        return out
 
     @staticmethod
     def _normalise_stop(stop: str | list[str] | None) -> list[str]:
@@ -134,6 +209,9 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence being generated (or embedded: `pool`). Only the scheduler mutates it.
 
+    `eos_token_id` is the model's EOS (finish_reason "stop", no stop_reason);
+    `other_eos_ids` the other EOS ids of its generation config, which stop it as stop tokens
+    do (stop_reason = the id), as in vLLM; neither stops it with `ignore_eos`.
     `generator` is this request's own RNG, so seeded samples do not depend on the batch.
     `detokenizer` turns output tokens into `text` as they arrive (stop strings are found there);
     `logprobs` has one entry per output token when `params.logprobs` is set; `embedding` is the
@@ -164,6 +242,9 @@ class Request:
     cumulative_logprob: float | None = None
     embedding: list[float] | None = None
     error: str | None = None
+    other_eos_ids: frozenset[int] = frozenset()
+    controls: LogitsControls | None = None  # the params' logits controls, resolved
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     all_token_ids: list[int] = field(init=False)
     cache_salt: bytes = field(init=False)
 

@@ -81,6 +81,16 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int((probs / noise).argmax())
 
 
+def token_logprobs(logp: torch.Tensor, token: int, n: int) -> TokenLogprobs:
+    """`token`'s logprob and rank in the row `logp [vocab]` (log-softmaxed), then the top `n`."""
+    top = logp.topk(n) if n else None
+    token_lp = logp[token]
+    rank = int((logp > token_lp).sum()) + 1
+    ids = [token] + (top.indices.tolist() if top is not None else [])
+    lps = [float(token_lp)] + (top.values.tolist() if top is not None else [])
+    return TokenLogprobs(tuple(ids), tuple(lps), tuple([rank, *range(1, n + 1)]))
+
+
 def _logprobs(
     raw: torch.Tensor, tokens: list[int], requests: list[ScheduledRequest]
 ) -> dict[str, TokenLogprobs]:
@@ -88,27 +98,44 @@ def _logprobs(
     if not wanted:
         return {}
     logp = torch.log_softmax(raw[wanted], dim=-1)
-    result: dict[str, TokenLogprobs] = {}
-    for row, i in enumerate(wanted):
-        n = requests[i].params.logprobs or 0
-        top = logp[row].topk(n) if n else None
-        sampled = tokens[i]
-        sampled_lp = logp[row, sampled]
-        rank = int((logp[row] > sampled_lp).sum()) + 1
-        ids = [sampled] + (top.indices.tolist() if top is not None else [])
-        lps = [float(sampled_lp)] + (top.values.tolist() if top is not None else [])
-        ranks = [rank] + list(range(1, n + 1))
-        result[requests[i].request_id] = TokenLogprobs(tuple(ids), tuple(lps), tuple(ranks))
+    return {
+        requests[i].request_id: token_logprobs(
+            logp[row], tokens[i], requests[i].params.logprobs or 0
+        )
+        for row, i in enumerate(wanted)
+    }
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, requests: Sequence[ScheduledRequest], rows: Sequence[tuple[int, int, int]]
+) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+    """Logprobs of the prompt tokens each step computes, for requests with `prompt_logprobs`:
+    `rows` as `ForwardBatch.prompt_rows` says, their logits at the end of `logits` in order.
+    Returns request id -> (first prompt position, one entry per position from there)."""
+    result: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+    offset = logits.shape[0] - sum(count for _, _, count in rows)
+    for i, first, count in rows:
+        r = requests[i]
+        logp = torch.log_softmax(logits[offset : offset + count].float(), dim=-1)
+        offset += count
+        targets = r.prompt_token_ids[first : first + count]
+        n = r.params.prompt_logprobs or 0
+        result[r.request_id] = (
+            first,
+            [token_logprobs(logp[j], t, n) for j, t in enumerate(targets)],
+        )
     return result
 
 
 def sample(
-    logits: torch.Tensor, requests: list[ScheduledRequest]
+    logits: torch.Tensor, requests: list[ScheduledRequest], raw: torch.Tensor | None = None
 ) -> tuple[list[int], dict[str, TokenLogprobs]]:
-    """logits [num_seqs, vocab] (any float dtype) for `requests` in the same order."""
-    raw = logits.float()
+    """logits [num_seqs, vocab] (any float dtype) for `requests` in the same order; `raw`: the
+    model's own logits when `logits` went through the requests' logits controls (logprobs are
+    of the model's distribution)."""
+    x = logits.float()
+    raw = x if raw is None else raw.float()
     params = [r.params for r in requests]
-    x = raw
     if any(
         p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
     ):

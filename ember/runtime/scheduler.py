@@ -192,8 +192,10 @@ class Scheduler:
                 is None
             ):
                 break
-            # An embedding's hidden states need every token computed: no prefix hits.
-            hits = [] if request.pool else self.block_manager.match_prefix(rid, tokens, salt)
+            # An embedding's hidden states, and prompt logprobs, need every token computed:
+            # no prefix hits.
+            recompute = request.pool or request.params.prompt_logprobs is not None
+            hits = [] if recompute else self.block_manager.match_prefix(rid, tokens, salt)
             num_hit = len(hits) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_hit, budget)
             if self.block_manager.allocate(rid, tokens, num_hit + num_new, hits, salt) is None:
@@ -238,6 +240,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             lora_id=request.lora_id,
             pool=request.pool,
+            controls=request.controls,
             **cross,
         )
 
@@ -261,6 +264,9 @@ class Scheduler:
                 request.embedding = output.pooled[item.request_id]
                 status = RequestStatus.FINISHED_STOPPED
             else:
+                prompt_lps = output.prompt_logprobs.get(item.request_id)
+                if prompt_lps is not None:
+                    self._append_prompt_logprobs(request, *prompt_lps)
                 token = output.sampled.get(item.request_id)
                 if token is None:
                     continue
@@ -302,6 +308,9 @@ class Scheduler:
             return None
         num_new_chars = detok.append(token)
         params = request.params
+        if len(request.output_token_ids) <= params.min_tokens:  # as vLLM: none matched yet
+            request.text = detok.text
+            return None
         stop = find_stop_string(
             detok.text, num_new_chars, params.stop_strings, params.include_stop_str_in_output
         )
@@ -309,24 +318,43 @@ class Scheduler:
         return stop[1] if stop is not None else None
 
     @staticmethod
-    def _append_logprobs(request: Request, lp: TokenLogprobs) -> None:
+    def _logprob_entry(request: Request, lp: TokenLogprobs) -> dict[int, Logprob]:
         tokenizer = request.detokenizer.tokenizer if request.detokenizer is not None else None
-        entry = {
+        return {
             t: Logprob(v, r, str(tokenizer.decode([t])) if tokenizer is not None else None)
             for t, v, r in zip(lp.token_ids, lp.logprobs, lp.ranks, strict=True)
         }
+
+    def _append_prompt_logprobs(
+        self, request: Request, first: int, entries: list[TokenLogprobs]
+    ) -> None:
+        """Prompt positions `first`, `first + 1`, ... (position 0 has none: None); positions
+        already recorded (recomputed after a preemption) are skipped."""
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None]
+        for j, lp in enumerate(entries):
+            if first + j == len(request.prompt_logprobs):
+                request.prompt_logprobs.append(self._logprob_entry(request, lp))
+
+    def _append_logprobs(self, request: Request, lp: TokenLogprobs) -> None:
+        entry = self._logprob_entry(request, lp)
         if request.logprobs is None:
             request.logprobs = []
         request.logprobs.append(entry)
         request.cumulative_logprob = (request.cumulative_logprob or 0.0) + lp.logprobs[0]
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        """vLLM's order: below min_tokens only the length limits apply; then the model's EOS,
+        stop tokens (the generation config's other EOS ids among them), the length limits."""
         params = request.params
-        if token in params.stop_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if not params.ignore_eos and token == request.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
+        if len(request.output_token_ids) >= params.min_tokens:
+            if not params.ignore_eos and token == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_ids or (
+                not params.ignore_eos and token in request.other_eos_ids
+            ):
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
         if len(request.output_token_ids) >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.max_model_len:

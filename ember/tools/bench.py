@@ -328,6 +328,13 @@ _LINEAR_OPS = (
     "ember_cpu::bf16_linear",
 )
 _GEMM_OPS = ("aten::mm", "aten::addmm", "aten::linear")
+# Each backend's top-level attention op (the C++ torch backend's nests nothing on decodes).
+_ATTENTION_OPS = (
+    "ember_cpu::paged_attention",
+    "ember::paged_attention",
+    "ember::paged_attention_ipex",
+    "ember::paged_attention_triton",
+)
 
 
 def profile_decode_steps(llm: Any, context: int = 128, steps: int = 32) -> StepProfile:
@@ -357,7 +364,7 @@ def profile_decode_steps(llm: Any, context: int = 128, steps: int = 32) -> StepP
     graph = totals.get("ember::forward", 0.0) * per
     linears = sum(totals.get(k, 0.0) for k in _LINEAR_OPS)
     linears += sum(self_times.get(k, 0.0) for k in _GEMM_OPS)
-    attention = sum(v for k, v in totals.items() if k.startswith("ember::paged_attention"))
+    attention = sum(totals.get(k, 0.0) for k in _ATTENTION_OPS)
     step = statistics.median(walls) * 1e3
     linears, attention = linears * per, attention * per
     return StepProfile(
