@@ -12,6 +12,7 @@ from ember.runtime.outputs import (
     RequestOutput,
 )
 from ember.runtime.request import RequestOutputKind, SamplingParams
+from ember.runtime.structured import GuidedDecodingParams, StructuredOutputsParams
 from ember.version import __version__
 
 __all__ = [
@@ -21,11 +22,13 @@ __all__ = [
     "EmbeddingRequestOutput",
     "EngineArgs",
     "EngineConfig",
+    "GuidedDecodingParams",
     "LLMEngine",
     "LoRARequest",
     "Logprob",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]

@@ -87,6 +87,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("ember_cpu::pack_bf16_pairs", _pack_pairs_fake)
     torch.library.register_fake("ember_cpu::group_linear", _group_linear_fake)
     torch.library.register_fake("ember_cpu::paged_attention", _attention_fake)
+    torch.library.register_fake("ember_cpu::apply_token_bitmask", lambda logits, bitmask: None)
 
 
 def _linear_fake(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Tensor:

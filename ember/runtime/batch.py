@@ -12,6 +12,7 @@ import torch
 from ember.attention.metadata import NULL_BLOCK, AttentionMetadata, build_attention_metadata
 from ember.runtime.logits import LogitsControls
 from ember.runtime.request import SamplingParams
+from ember.runtime.structured import GrammarState
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class ScheduledRequest:
     lora_id: int | None = None
     pool: bool = False
     controls: LogitsControls | None = None  # the request's logits controls, if any
+    grammar: GrammarState | None = None  # structured outputs: the request's matcher
 
     @property
     def num_new_tokens(self) -> int:

@@ -131,20 +131,16 @@ def apply_controls(
     controls: Sequence[LogitsControls | None],
     prompt_ids: Sequence[Sequence[int]],
     output_ids: Sequence[Sequence[int]],
-) -> tuple[torch.Tensor, dict[int, str]]:
-    """`logits [num_seqs, vocab]` (float32) with each row's controls applied (the input is left
-    as it is when no row has any). Returns (logits, {row: error}): a row whose processor raised
-    is reported, not applied, and the other rows go on."""
-    rows = [i for i, c in enumerate(controls) if c is not None]
-    if not rows:
-        return logits, {}
-    out = logits.clone()
+) -> dict[int, str]:
+    """Apply each row's controls to `logits [num_seqs, vocab]` (float32) in place; rows
+    without any are not touched. Returns {row: error} for rows whose processor raised (that
+    row is left as it was, the others go on)."""
     errors: dict[int, str] = {}
-    for i in rows:
-        c = controls[i]
-        assert c is not None
+    for i, c in enumerate(controls):
+        if c is None:
+            continue
         try:
-            out[i] = _apply(out[i], c, prompt_ids[i], output_ids[i])
+            logits[i] = _apply(logits[i], c, prompt_ids[i], output_ids[i])
         except Exception as e:  # noqa: BLE001  (a user's processor: fails its own request)
             errors[i] = f"logits controls failed: {type(e).__name__}: {e}"
-    return out, errors
+    return errors

@@ -32,6 +32,7 @@ from ember.runtime.config import EngineConfig
 from ember.runtime.logits import apply_controls
 from ember.runtime.pooling import PoolingConfig, pool
 from ember.runtime.sampler import non_finite_rows, prompt_logprobs, sample
+from ember.runtime.structured import apply_bitmask, fill_bitmasks
 
 
 class ModelRunner:
@@ -125,14 +126,33 @@ class ModelRunner:
         rows = [i for i, r in enumerate(generate.requests) if r.sample]
         if not rows:
             return RunnerOutput({}, {}, pooled, prompt_logprobs=prompt_lps)
-        raw = logits[rows].float()
+        # A view when every request samples (the usual case): a 262k-id vocabulary makes a
+        # 32-row copy of the logits cost milliseconds.
+        logits = logits[: len(rows)] if rows[-1] == len(rows) - 1 else logits[rows]
+        logits = logits.float()
         sampling = [generate.requests[i] for i in rows]
-        logits, failed = apply_controls(
-            raw,
+        # Logprobs are of the model's own distribution: taken before the controls below, which
+        # change the rows that have any in place.
+        logp = {
+            r.request_id: torch.log_softmax(logits[i], dim=-1)
+            for i, r in enumerate(sampling)
+            if r.params.logprobs is not None and (r.controls is not None or r.grammar is not None)
+        }
+        failed = apply_controls(
+            logits,
             [r.controls for r in sampling],
             [r.prompt_token_ids for r in sampling],
             [r.output_token_ids for r in sampling],
         )
+        constrained = [i for i, r in enumerate(sampling) if r.grammar is not None]
+        constrained = [i for i in constrained if i not in failed]
+        if constrained:  # structured outputs: mask what each grammar disallows next
+            masks = fill_bitmasks([sampling[i].grammar for i in constrained])  # type: ignore[misc]
+            if constrained == list(range(len(constrained))):
+                apply_bitmask(logits[: len(constrained)], masks)
+            else:
+                for j, i in enumerate(constrained):
+                    apply_bitmask(logits[i : i + 1], masks[j : j + 1])
         # A request whose logits row is NaN/inf (or whose own logits processor failed) fails
         # alone; the others sample as usual.
         errors = {sampling[i].request_id: error for i, error in failed.items()}
@@ -145,8 +165,8 @@ class ModelRunner:
             )
         if errors:
             good = [i for i, r in enumerate(sampling) if r.request_id not in errors]
-            sampling, raw, logits = [sampling[i] for i in good], raw[good], logits[good]
-        tokens, logprobs = sample(logits, sampling, raw) if sampling else ([], {})
+            sampling, logits = [sampling[i] for i in good], logits[good]
+        tokens, logprobs = sample(logits, sampling, logp) if sampling else ([], {})
         sampled = {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
         return RunnerOutput(sampled, logprobs, pooled, errors, prompt_lps)
 

@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from ember.runtime.outputs import IncrementalDetokenizer, Logprob
+from ember.runtime.structured import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from ember.runtime.logits import LogitsControls
+    from ember.runtime.structured import GrammarState
 
 
 def _is_int(x: object) -> bool:
@@ -47,7 +49,8 @@ class SamplingParams:
     without a leading space), `logit_bias` (token id -> bias added, clamped to [-100, 100]),
     and `min_tokens` (EOS and stop tokens are masked, and stop strings are not matched, until
     that many tokens are out). `truncate_prompt_tokens` keeps only the last k prompt tokens
-    (-1: the last max_model_len - 1).
+    (-1: the last max_model_len - 1). `structured_outputs` (or `guided_decoding`) constrains
+    the output to a JSON schema, regex, choice or grammar (`ember.runtime.structured`).
     """
 
     n: int = 1
@@ -74,6 +77,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     logits_processors: list[Callable[..., Any]] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's earlier name
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -132,6 +137,17 @@ class SamplingParams:
         tp = self.truncate_prompt_tokens
         if tp is not None and (not _is_int(tp) or (tp < 1 and tp != -1)):
             raise ValueError(f"truncate_prompt_tokens must be None, -1 or >= 1, got {tp!r}")
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("set structured_outputs or guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            self.structured_outputs = so = StructuredOutputsParams(**so)
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}"
+            )
         if self.logits_processors is not None:
             procs = list(self.logits_processors)
             if not all(callable(f) for f in procs):
@@ -244,6 +260,7 @@ class Request:
     error: str | None = None
     other_eos_ids: frozenset[int] = frozenset()
     controls: LogitsControls | None = None  # the params' logits controls, resolved
+    grammar: GrammarState | None = None  # structured outputs: this sequence's matcher
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     all_token_ids: list[int] = field(init=False)
     cache_salt: bytes = field(init=False)

@@ -92,17 +92,23 @@ def token_logprobs(logp: torch.Tensor, token: int, n: int) -> TokenLogprobs:
 
 
 def _logprobs(
-    raw: torch.Tensor, tokens: list[int], requests: list[ScheduledRequest]
+    raw: torch.Tensor,
+    tokens: list[int],
+    requests: list[ScheduledRequest],
+    given: dict[str, torch.Tensor],
 ) -> dict[str, TokenLogprobs]:
     wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     if not wanted:
         return {}
-    logp = torch.log_softmax(raw[wanted], dim=-1)
+    rest = [i for i in wanted if requests[i].request_id not in given]
+    computed = dict(zip(rest, torch.log_softmax(raw[rest], dim=-1), strict=True)) if rest else {}
     return {
         requests[i].request_id: token_logprobs(
-            logp[row], tokens[i], requests[i].params.logprobs or 0
+            given.get(requests[i].request_id, computed.get(i)),
+            tokens[i],
+            requests[i].params.logprobs or 0,
         )
-        for row, i in enumerate(wanted)
+        for i in wanted
     }
 
 
@@ -128,13 +134,15 @@ def prompt_logprobs(
 
 
 def sample(
-    logits: torch.Tensor, requests: list[ScheduledRequest], raw: torch.Tensor | None = None
+    logits: torch.Tensor,
+    requests: list[ScheduledRequest],
+    logp: dict[str, torch.Tensor] | None = None,
 ) -> tuple[list[int], dict[str, TokenLogprobs]]:
-    """logits [num_seqs, vocab] (any float dtype) for `requests` in the same order; `raw`: the
-    model's own logits when `logits` went through the requests' logits controls (logprobs are
-    of the model's distribution)."""
-    x = logits.float()
-    raw = x if raw is None else raw.float()
+    """logits [num_seqs, vocab] (any float dtype) for `requests` in the same order. `logp`:
+    request id -> the log-softmax of the model's own logits row, for rows that went through
+    logits controls (logprobs are of the model's distribution); other rows' logprobs come
+    from `logits`."""
+    raw = x = logits.float()  # penalties below make new tensors: `raw` stays as it is
     params = [r.params for r in requests]
     if any(
         p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
@@ -166,4 +174,4 @@ def sample(
             generator = requests[i].generator
             assert generator is not None, "a sampling request carries its generator"
             tokens[i] = _draw(probs[row], generator)
-    return tokens, _logprobs(raw, tokens, requests)
+    return tokens, _logprobs(raw, tokens, requests, logp or {})

@@ -241,6 +241,7 @@ class Scheduler:
             lora_id=request.lora_id,
             pool=request.pool,
             controls=request.controls,
+            grammar=request.grammar,
             **cross,
         )
 
@@ -290,7 +291,11 @@ class Scheduler:
         logprobs = output.logprobs.get(request.request_id)
         if logprobs is not None:
             self._append_logprobs(request, logprobs)
+        if request.grammar is not None and not request.grammar.accept(token):
+            raise ValueError(f"token {token} is outside the request's structured-output grammar")
         status = self._check_stop(request, token)
+        if status is None and request.grammar is not None and request.grammar.terminated:
+            status = RequestStatus.FINISHED_STOPPED  # the document is complete
         stop = self._detokenize(request, token)
         if stop is not None and status is None:
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop

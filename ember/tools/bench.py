@@ -84,20 +84,27 @@ def summarize(engine: str, runs: list[dict[str, float]]) -> Result:
 
 
 def run_ember(
-    llm: Any, workload: Workload, repeats: int, loras: Sequence[Any] | None = None
+    llm: Any,
+    workload: Workload,
+    repeats: int,
+    loras: Sequence[Any] | None = None,
+    params: Sequence[SamplingParams] | None = None,
 ) -> Result:
     """Drive the engine step by step: TTFT = first step of a request's first token, TPOT =
     median time per step after it, throughput = all output tokens / wall time. `loras`:
-    request i uses `loras[i % len(loras)]` (a LoRARequest or None)."""
+    request i uses `loras[i % len(loras)]` (a LoRARequest or None); `params`: request i uses
+    `params[i % len(params)]`, which must make it emit exactly `output_len` tokens (default:
+    greedy, EOS ignored)."""
     engine = llm.llm_engine
     prompts = prompts_for(workload, engine.vocab_size)
-    params = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
     runs = []
     for rep in range(repeats):
         engine.block_manager.reset_prefix_cache()  # each repeat computes its prompts
         for i, p in enumerate(prompts):
             lora = loras[i % len(loras)] if loras else None
-            engine.add_request(f"bench{rep}-{i}", {"prompt_token_ids": p}, params, lora)
+            sp = params[i % len(params)] if params else greedy
+            engine.add_request(f"bench{rep}-{i}", {"prompt_token_ids": p}, sp, lora)
         steps: list[tuple[float, int]] = []
         start = time.perf_counter()
         while engine.has_unfinished_requests():

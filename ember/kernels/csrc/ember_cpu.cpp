@@ -8,6 +8,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -1554,6 +1555,39 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,
   return query.scalar_type() == at::kFloat ? out : out.to(query.scalar_type());
 }
 
+// Structured outputs: logits[i, v] = -inf wherever bit v of bitmask[i] (int32 words, bit v % 32
+// of word v / 32, xgrammar's and llguidance's layout) is 0. One pass over the bits; a row reads
+// V / 8 bytes of mask and writes only the masked logits.
+void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "apply_token_bitmask: logits must be a contiguous float32 [rows, vocab]");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt &&
+                  bitmask.size(0) == logits.size(0) && bitmask.is_contiguous(),
+              "apply_token_bitmask: bitmask must be a contiguous int32 [rows, words]");
+  const int64_t rows = logits.size(0), V = logits.size(1), W = bitmask.size(1);
+  const int64_t n = std::min(V, W * 32);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t words = (n + 31) / 32;
+  // Rows x words in one parallel loop: a 262k-id row is 8k words, worth two threads.
+  at::parallel_for(0, rows * words, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / words, w = i % words;
+      float* l = logits.data_ptr<float>() + r * V;
+      const uint32_t* b = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>()) + r * W;
+      uint32_t off = ~b[w];
+      if (w * 32 + 32 > n) off &= (n - w * 32 == 32) ? ~0u : ((1u << (n - w * 32)) - 1);
+      while (off) {
+        l[w * 32 + __builtin_ctz(off)] = ninf;
+        off &= off - 1;
+      }
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r) {  // ids past the mask's words: never allowed
+    float* l = logits.data_ptr<float>() + r * V;
+    for (int64_t v = n; v < V; ++v) l[v] = ninf;
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ember_cpu, m) {
@@ -1567,6 +1601,7 @@ TORCH_LIBRARY(ember_cpu, m) {
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
       "Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
       "float scale, int sliding_window, float softcap, bool causal) -> Tensor");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask) -> ()");
   m.def("pack_linear_weight(Tensor w) -> Tensor");
   m.def("pack_bf16_pairs(Tensor w) -> Tensor");
   m.def(
@@ -1582,6 +1617,7 @@ TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
   m.impl("fp32_linear", &fp32_linear);
   m.impl("paged_attention_cpu", &paged_attention_cpu);
   m.impl("paged_attention", &paged_attention);
+  m.impl("apply_token_bitmask", &apply_token_bitmask);
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("packed_linear", &packed_linear);
   m.impl("pack_bf16_pairs", &pack_bf16_pairs);
