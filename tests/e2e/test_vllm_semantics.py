@@ -462,3 +462,13 @@ def test_hub_ids_resolve_through_the_local_hf_cache(tiny, free_run, tmp_path, mo
         _llm("ember-test/not-cached")
     with pytest.raises(ValueError, match="revision"):
         _llm(tiny, revision="main")
+
+
+def test_max_logprobs_is_an_llm_argument(tiny):
+    llm = _llm(tiny, max_logprobs=2)
+    assert llm.config.max_logprobs == 2
+    out = llm.generate({"prompt_token_ids": [5, 6]}, _greedy(2, logprobs=2), use_tqdm=False)
+    assert all(len(e) in (2, 3) for e in out[0].outputs[0].logprobs)
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"{field} must be <= max_logprobs=2"):
+            llm.generate({"prompt_token_ids": [5, 6]}, _greedy(2, **{field: 3}))
