@@ -265,7 +265,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not use the default compile cache dir (measures cold start)",
     )
     bench_p.set_defaults(func=cmd_bench)
+    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="model to serve (as `vllm serve MODEL`; --model works too)")  # fmt: skip
+    _add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every endpoint but /health (default: "
+        "the EMBER_API_KEY environment variable, so the key need not show in a process list)",
+    )
+    srv.add_argument("--served-model-name", default=None, help="the model's name in the API")
+    srv.set_defaults(func=cmd_serve)
     return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ember.serve.server import serve  # noqa: PLC0415  (imports fastapi/uvicorn)
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    model = _resolve_model(args.model_tag or args.model)
+    engine_args = EngineArgs.from_cli_args(args, model=model)
+    api_key = args.api_key or os.environ.get("EMBER_API_KEY") or None
+    name = args.served_model_name or args.model_tag or args.model or model
+    serve(engine_args, args.host, args.port, api_key, name)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -148,52 +148,13 @@ class LLM:
         """
         conversations = _conversations(messages)
         prompts = [
-            self._render_chat(
-                conv, chat_template, chat_template_content_format, add_generation_prompt,
-                continue_final_message, tools, chat_template_kwargs or {},
+            render_chat(
+                self.get_tokenizer(), conv, chat_template, chat_template_content_format,
+                add_generation_prompt, continue_final_message, tools, chat_template_kwargs,
             )
             for conv in conversations
         ]  # fmt: skip
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
-
-    def _render_chat(
-        self,
-        conversation: list[dict[str, Any]],
-        chat_template: str | None,
-        content_format: str,
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-        tools: list[dict[str, Any]] | None,
-        kwargs: dict[str, Any],
-    ) -> dict[str, Any]:
-        tokenizer = self.get_tokenizer()
-        if tokenizer is None:
-            raise ValueError("LLM.chat needs a tokenizer; this model has none")
-        if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError(
-                f"model {self.config.model!r} has no chat template: pass chat_template to "
-                "LLM.chat (a Jinja template string)"
-            )
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
-        if content_format not in ("auto", "string", "openai"):
-            raise ValueError(
-                "chat_template_content_format must be auto, string or openai, got "
-                f"{content_format!r}"
-            )
-        if content_format != "openai":
-            conversation = [_string_content(m) for m in conversation]
-        text = tokenizer.apply_chat_template(
-            conversation,
-            chat_template=chat_template,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=False,
-            **kwargs,
-        )
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return {"prompt": text, "prompt_token_ids": list(ids)}
 
     @_serialised
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -297,6 +258,46 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def render_chat(
+    tokenizer: Any,
+    conversation: list[dict[str, Any]],
+    chat_template: str | None = None,
+    content_format: str = "auto",
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One conversation as a prompt dict (`prompt` text and `prompt_token_ids`): the chat
+    template applied by the tokenizer, encoded without added special tokens (as vLLM does).
+    Raises ValueError for a model without a template (and none given) or bad options."""
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer; this model has none")
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "this model has no chat template: pass chat_template (a Jinja template string)"
+        )
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
+    if content_format not in ("auto", "string", "openai"):
+        raise ValueError(
+            f"chat_template_content_format must be auto, string or openai, got {content_format!r}"
+        )
+    if content_format != "openai":
+        conversation = [_string_content(m) for m in conversation]
+    text = tokenizer.apply_chat_template(
+        conversation,
+        chat_template=chat_template,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=False,
+        **(kwargs or {}),
+    )
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return {"prompt": text, "prompt_token_ids": list(ids)}
 
 
 def _conversations(messages: Any) -> list[list[dict[str, Any]]]:

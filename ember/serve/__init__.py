@@ -1,0 +1,1 @@
+"""Serving: the async engine and the OpenAI-compatible HTTP server (`ember serve`)."""

@@ -1,0 +1,158 @@
+"""`AsyncLLMEngine`: one engine loop on a background thread, requests from any thread or
+coroutine, a stream of outputs per request.
+
+`LLMEngine` is not thread-safe, so only the loop thread touches it: `add_request` and `abort`
+post commands to the loop, which applies them between steps. With no request in flight the
+loop sleeps on a condition variable (no busy waiting). Each request's outputs (DELTA kind:
+only what is new) go to its own `asyncio.Queue` on the caller's event loop; `generate` yields
+them and aborts the request when its consumer stops early (a client that disconnects), so its
+KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from typing import Any
+
+from ember.lora.adapter import LoRARequest
+from ember.runtime.engine import LLMEngine, PromptType
+from ember.runtime.outputs import RequestOutput
+from ember.runtime.request import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("ember")
+
+_DONE = object()  # end of a request's stream
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._commands: list[tuple[str, Any]] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self.errored: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="ember-engine", daemon=True)
+        self._thread.start()
+
+    # ---- API (any thread / coroutine) ------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs (only the new tokens and text of each step);
+        the last one has `finished` set. Raises ValueError for bad input before yielding.
+        Closing the iterator early (a cancelled task, a client gone) aborts the request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        added: Future = Future()
+        self._post("add", (request_id, prompt, params, lora_request, loop, queue, added))
+        await asyncio.wrap_future(added)  # raises the engine's ValueError
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._post("abort", request_id)
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    # ---- the loop thread -------------------------------------------------------------------
+    def _post(self, kind: str, payload: Any) -> None:
+        with self._cond:
+            if self._stopped or self.errored is not None:
+                raise RuntimeError("the engine loop is not running")
+            self._commands.append((kind, payload))
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while (
+                    not self._stopped
+                    and not self._commands
+                    and not engine.has_unfinished_requests()
+                ):
+                    self._cond.wait()
+                if self._stopped:
+                    break
+                commands, self._commands = self._commands, []
+            for kind, payload in commands:
+                self._apply(kind, payload)
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # noqa: BLE001  (the step was rolled back; fail its requests)
+                logger.exception("engine step failed")
+                for request_id in list(self._streams):
+                    failed = engine.fail_request(request_id, f"{type(e).__name__}: {e}")
+                    self._deliver(request_id, failed if failed is not None else _DONE)
+                continue
+            except BaseException as e:  # a fatal error: every stream learns of it
+                self.errored = e
+                for request_id in list(self._streams):
+                    self._deliver(request_id, RuntimeError(f"the engine stopped: {e!r}"))
+                raise
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _apply(self, kind: str, payload: Any) -> None:
+        if kind == "abort":
+            self.engine.abort_request(payload)
+            if payload in self._streams:
+                self._deliver(payload, _DONE)
+            return
+        request_id, prompt, params, lora, loop, queue, added = payload
+        try:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.engine.add_request(request_id, prompt, params, lora)
+        except Exception as e:  # noqa: BLE001  (bad input: the caller gets it, the loop goes on)
+            added.set_exception(e)
+            return
+        self._streams[request_id] = (loop, queue)
+        added.set_result(None)
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        loop, queue = stream
+        done = item is _DONE or isinstance(item, BaseException) or item.finished
+        if done:
+            del self._streams[request_id]
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            self.engine.abort_request(request_id)

@@ -1,0 +1,313 @@
+"""`ember serve MODEL`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the async engine.
+
+Endpoints: `/health` (no auth), `/v1/models`, `/v1/completions` and `/v1/chat/completions`
+(streaming as server-sent events, `usage` counts). Request fields are OpenAI's plus vLLM's
+sampling extras (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
+...). Bad requests get OpenAI-style JSON errors: 400 for values the engine rejects, 422 for a
+body that fails validation, 404 for an unknown model, 401 without the API key (`--api-key` or
+`EMBER_API_KEY`, as `Authorization: Bearer <key>`); none of them disturbs other requests. A
+client that disconnects mid-stream has its request aborted (its KV blocks freed).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ember.runtime.llm import render_chat
+from ember.runtime.outputs import RequestOutput
+from ember.runtime.request import SamplingParams
+from ember.serve.async_engine import AsyncLLMEngine
+
+
+class _Sampling(BaseModel):
+    """The sampling fields both endpoints take (OpenAI's, then vLLM's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None) -> SamplingParams:
+        values = dict(defaults)
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):  # fmt: skip
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        values.update(
+            n=self.n,
+            max_tokens=max_tokens,
+            stop=self.stop,
+            seed=self.seed,
+            logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+        return SamplingParams(**values)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    """An OpenAI `prompt`: a string, a list of strings, a token list or a list of them."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
+
+
+def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The server's app over a running async engine, serving the model as `model_name`."""
+    app = FastAPI(title="ember", docs_url=None, redoc_url=None)
+    tokenizer = engine.engine.tokenizer
+    defaults = engine.engine.default_sampling
+    created = int(time.time())
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next: Any) -> Any:
+        if api_key is not None and request.url.path != "/health":
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return _error(401, "invalid or missing API key", "AuthenticationError")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors()
+        )
+        return _error(422, f"invalid request body: {errors}", "UnprocessableEntityError")
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "ember"}
+        return {"object": "list", "data": [card]}
+
+    def check_model(name: str | None) -> JSONResponse | None:
+        if name is not None and name != model_name:
+            return _error(404, f"model {name!r} does not exist (this server has {model_name!r})",
+                          "NotFoundError")  # fmt: skip
+        return None
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Any:
+        if (bad := check_model(body.model)) is not None:
+            return bad
+        try:
+            params = body.sampling_params(defaults, body.max_tokens)
+            prompts = _prompts(body.prompt)
+        except ValueError as e:
+            return _error(400, str(e))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        return await _respond(engine, rid, prompts, params, body, model_name, created, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest) -> Any:
+        if (bad := check_model(body.model)) is not None:
+            return bad
+        try:
+            prompt = render_chat(
+                tokenizer, body.messages, body.chat_template, "auto",
+                body.add_generation_prompt, body.continue_final_message, body.tools,
+                body.chat_template_kwargs,
+            )  # fmt: skip
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            params = body.sampling_params(defaults, max_tokens if max_tokens else None)
+        except ValueError as e:
+            return _error(400, str(e))
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return await _respond(engine, rid, [prompt], params, body, model_name, created, chat=True)
+
+    return app
+
+
+async def _respond(
+    engine: AsyncLLMEngine,
+    rid: str,
+    prompts: list[Any],
+    params: SamplingParams,
+    body: _Sampling,
+    model_name: str,
+    created: int,
+    chat: bool,
+) -> Any:
+    """Start one engine request per prompt (all validated before any runs), then answer as a
+    whole or as an event stream."""
+    streams = []
+    try:
+        for i, prompt in enumerate(prompts):
+            stream = engine.generate(f"{rid}-{i}", prompt, params)
+            first = await anext(stream, None)  # raises ValueError for bad input
+            streams.append((stream, first))
+    except ValueError as e:
+        for stream, _ in streams:
+            await stream.aclose()
+        return _error(400, str(e))
+    kind = "chat.completion" if chat else "text_completion"
+    if body.stream:
+        usage = bool((body.stream_options or {}).get("include_usage"))
+        events = _events(streams, params.n, rid, kind, model_name, created, chat, usage)
+        return StreamingResponse(events, media_type="text/event-stream")
+    texts: dict[int, list[str]] = {}
+    reasons: dict[int, str | None] = {}
+    prompt_tokens = completion_tokens = 0
+    for p, (stream, first) in enumerate(streams):
+        outs = [first] + [out async for out in stream] if first is not None else []
+        if outs:
+            prompt_tokens += len(outs[0].prompt_token_ids)
+        for out in outs:
+            if out.error:
+                return _error(500, f"request failed: {out.error}", "InternalServerError")
+            for c in out.outputs:
+                idx = p * params.n + c.index
+                texts.setdefault(idx, []).append(c.text)
+                completion_tokens += len(c.token_ids)
+                reasons[idx] = c.finish_reason
+    choices = []
+    for idx in sorted(texts):
+        text = "".join(texts[idx])
+        if chat:
+            choices.append({"index": idx, "message": {"role": "assistant", "content": text},
+                            "finish_reason": reasons[idx]})  # fmt: skip
+        else:
+            choices.append({"index": idx, "text": text, "logprobs": None,
+                            "finish_reason": reasons[idx]})  # fmt: skip
+    return {
+        "id": rid, "object": kind, "created": created, "model": model_name, "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }  # fmt: skip
+
+
+async def _events(
+    streams: list[tuple[AsyncIterator[RequestOutput], RequestOutput | None]],
+    n: int,
+    rid: str,
+    kind: str,
+    model_name: str,
+    created: int,
+    chat: bool,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per step and sequence with new text, then `[DONE]`.
+    Prompts stream one after another (each runs in the engine from the start)."""
+    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+    prompt_tokens = completion_tokens = 0
+
+    def event(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        data: dict[str, Any] = {"id": rid, "object": chunk_kind, "created": created,
+                                "model": model_name, "choices": choices}  # fmt: skip
+        if usage is not None:
+            data["usage"] = usage
+        return f"data: {json.dumps(data)}\n\n"
+
+    try:
+        if chat:
+            yield event([{"index": i, "delta": {"role": "assistant", "content": ""},
+                          "finish_reason": None} for i in range(n)])  # fmt: skip
+        for p, (stream, first) in enumerate(streams):
+            outs: AsyncIterator[RequestOutput] = _prepend(first, stream)
+            async for out in outs:
+                prompt_tokens += len(out.prompt_token_ids) if out.finished else 0
+                choices = []
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    if not c.text and c.finish_reason is None:
+                        continue
+                    idx = p * n + c.index
+                    if chat:
+                        choices.append({"index": idx, "delta": {"content": c.text},
+                                        "finish_reason": c.finish_reason})  # fmt: skip
+                    else:
+                        choices.append({"index": idx, "text": c.text,
+                                        "finish_reason": c.finish_reason})  # fmt: skip
+                if choices:
+                    yield event(choices)
+        if include_usage:
+            yield event([], {"prompt_tokens": prompt_tokens,
+                             "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens})  # fmt: skip
+        yield "data: [DONE]\n\n"
+    finally:  # a client gone mid-stream: every request still running is aborted
+        for stream, _ in streams:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def _prepend(
+    first: RequestOutput | None, rest: AsyncIterator[RequestOutput]
+) -> AsyncIterator[RequestOutput]:
+    if first is not None:
+        yield first
+        if first.finished:
+            return
+    async for out in rest:
+        yield out
+
+
+def serve(
+    engine_args: Any, host: str, port: int, api_key: str | None, model_name: str | None
+) -> None:
+    """Build the engine (compiling every graph first), then serve until interrupted."""
+    import uvicorn  # noqa: PLC0415
+
+    from ember.runtime.engine import LLMEngine  # noqa: PLC0415
+
+    config = engine_args.create_engine_config()
+    engine = AsyncLLMEngine(LLMEngine.from_config(config))
+    app = build_app(engine, model_name or engine_args.model, api_key)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        engine.shutdown()

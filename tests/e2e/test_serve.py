@@ -1,0 +1,205 @@
+"""The async engine in-process, and `ember serve` in a subprocess on a free port driven by the
+official `openai` client: outputs equal offline `LLM.generate` / `LLM.chat` (greedy), streaming
+equals non-streaming, bad requests get OpenAI-style errors and leave the server healthy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from transformers import AutoTokenizer
+
+from ember import LLM, SamplingParams
+from ember.runtime.engine import LLMEngine
+from tests.conftest import make_prompts
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+ENGINE = {"compile": False, "dtype": "float32", "kv_cache_gib": 0.02, "max_model_len": 256}
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint_dir, tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("serve") / "m")
+    shutil.copytree(checkpoint_dir("tiny-llama"), d)
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    llm = LLM(model=model_dir, **ENGINE)
+    yield llm
+    llm.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """`ember serve MODEL` with the key from EMBER_API_KEY (never on the command line)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "ember.cli", "serve", model_dir, "--port", str(port),
+           "--no-compile", "--kv-cache-gib", "0.02", "--max-model-len", "256",
+           "--dtype", "float32", "--served-model-name", "tiny"]  # fmt: skip
+    env = dict(os.environ, EMBER_API_KEY=KEY)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited: {proc.stdout.read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.3)
+    else:
+        proc.kill()
+        pytest.fail("server did not come up in 180 s")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+def _greedy(n: int = 12, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def test_completions_equal_offline_generate(client, offline):
+    prompts = ["Hello world", "The quick brown fox", "Once upon"]
+    want = offline.generate(prompts, _greedy(), use_tqdm=False)
+    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    assert [c.text for c in r.choices] == [w.outputs[0].text for w in want]
+    assert [c.finish_reason for c in r.choices] == ["length"] * 3
+    assert r.usage.completion_tokens == 36
+    assert r.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+    ids = make_prompts(1, seed=3)[0]
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    want = offline.generate({"prompt_token_ids": ids}, _greedy(), use_tqdm=False)
+    assert r.choices[0].text == want[0].outputs[0].text
+
+
+def test_chat_equals_offline_chat_and_streams_the_same(client, offline):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    want = offline.chat(messages, _greedy(), use_tqdm=False)[0].outputs[0].text
+    kw = dict(model="tiny", messages=messages, max_tokens=12, temperature=0,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 stream_options={"include_usage": True}))  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_streamed_completions_with_n_equal_the_whole_response(client):
+    kw = dict(model="tiny", prompt="Hello there", max_tokens=10, temperature=1.0, seed=7, n=2)
+    whole = client.completions.create(**kw)
+    texts = {0: "", 1: ""}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert [texts[0], texts[1]] == [c.text for c in whole.choices]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=-3)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model="tiny", prompt="x", logit_bias={"999999": 1.0})
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model="tiny", prompt=list(range(5, 300)), max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.post("/completions", body={"model": "tiny"}, cast_to=object)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+    req = urllib.request.Request(server + "/v1/models")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)
+    assert e.value.code == 401 and json.loads(e.value.read())["error"]["code"] == 401
+    with urllib.request.urlopen(server + "/health") as r:  # no key needed
+        assert r.status == 200
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    r = client.completions.create(model="tiny", prompt="still fine", max_tokens=3)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_async_engine_concurrent_requests_and_abort_free_blocks(model_dir, offline):
+    """Coroutines submit concurrently; each stream equals its offline output; a consumer that
+    stops early aborts its request and the engine's blocks all come back."""
+    from ember.serve.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine(LLMEngine.from_config(offline.config, show_progress=False))
+    prompts = make_prompts(6, seed=31)
+    want = [
+        o.outputs[0].token_ids
+        for o in offline.generate(
+            [{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False
+        )  # fmt: skip
+    ]
+
+    async def run_one(i: int) -> list[int]:
+        tokens: list[int] = []
+        async for out in engine.generate(f"r{i}", {"prompt_token_ids": prompts[i]}, _greedy()):
+            tokens += out.outputs[0].token_ids
+        return tokens
+
+    async def abort_early() -> None:
+        stream = engine.generate("gone", {"prompt_token_ids": prompts[0]}, _greedy(200))
+        async for _ in stream:
+            break
+        await stream.aclose()
+
+    async def main() -> list[list[int]]:
+        results = await asyncio.gather(*(run_one(i) for i in range(6)), abort_early())
+        with pytest.raises(ValueError, match="prompt"):
+            async for _ in engine.generate("bad", {"prompt_token_ids": []}, _greedy()):
+                pass
+        return results[:6]
+
+    try:
+        assert asyncio.run(main()) == want
+        deadline = time.time() + 10
+        while engine.engine.has_unfinished_requests() and time.time() < deadline:
+            time.sleep(0.05)
+        bm = engine.engine.block_manager
+        assert not engine.engine.has_unfinished_requests()
+        assert bm.num_free_blocks == bm.num_usable_blocks
+    finally:
+        engine.shutdown()
