@@ -23,6 +23,7 @@ from ember.lora.adapter import LoRARequest
 from ember.runtime.engine import LLMEngine, PromptType
 from ember.runtime.outputs import RequestOutput
 from ember.runtime.request import RequestOutputKind, SamplingParams
+from ember.serve.metrics import EngineMetrics
 
 logger = logging.getLogger("ember")
 
@@ -37,6 +38,8 @@ class AsyncLLMEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self.errored: BaseException | None = None
+        self.metrics = EngineMetrics()
+        self.metrics.step(engine)
         self._thread = threading.Thread(target=self._loop, name="ember-engine", daemon=True)
         self._thread.start()
 
@@ -110,6 +113,7 @@ class AsyncLLMEngine:
             for kind, payload in commands:
                 self._apply(kind, payload)
             if not engine.has_unfinished_requests():
+                self.metrics.step(engine)
                 continue
             try:
                 outputs = engine.step()
@@ -126,10 +130,12 @@ class AsyncLLMEngine:
                 raise
             for out in outputs:
                 self._deliver(out.request_id, out)
+            self.metrics.step(engine)
 
     def _apply(self, kind: str, payload: Any) -> None:
         if kind == "abort":
             self.engine.abort_request(payload)
+            self.metrics.forget(payload, aborted=True)
             if payload in self._streams:
                 self._deliver(payload, _DONE)
             return
@@ -142,6 +148,7 @@ class AsyncLLMEngine:
             added.set_exception(e)
             return
         self._streams[request_id] = (loop, queue)
+        self.metrics.arrived(request_id)
         added.set_result(None)
 
     def _deliver(self, request_id: str, item: Any) -> None:
@@ -149,6 +156,8 @@ class AsyncLLMEngine:
         if stream is None:
             return
         loop, queue = stream
+        if isinstance(item, RequestOutput):
+            self.metrics.output(item)
         done = item is _DONE or isinstance(item, BaseException) or item.finished
         if done:
             del self._streams[request_id]

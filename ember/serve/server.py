@@ -1,10 +1,11 @@
 """`ember serve MODEL`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the async engine.
 
-Endpoints: `/health` (no auth), `/v1/models`, `/v1/completions` and `/v1/chat/completions`
-(streaming as server-sent events, `usage` counts). Request fields are OpenAI's plus vLLM's
-sampling extras (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
-...). Bad requests get OpenAI-style JSON errors: 400 for values the engine rejects, 422 for a
-body that fails validation, 404 for an unknown model, 401 without the API key (`--api-key` or
+Endpoints: `/health` (no auth), `/metrics` (Prometheus, `ember.serve.metrics`), `/v1/models`,
+`/v1/completions` and `/v1/chat/completions` (streaming as server-sent events, `usage`
+counts). Request fields are OpenAI's plus vLLM's sampling extras (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...). Bad requests get
+OpenAI-style JSON errors: 400 for values the engine rejects, 422 for a body that fails
+validation, 404 for an unknown model, 401 without the API key (`--api-key` or
 `EMBER_API_KEY`, as `Authorization: Bearer <key>`); none of them disturbs other requests. A
 client that disconnects mid-stream has its request aborted (its KV blocks freed).
 """
@@ -19,7 +20,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from ember.runtime.llm import render_chat
@@ -129,6 +131,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
