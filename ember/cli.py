@@ -278,6 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the EMBER_API_KEY environment variable, so the key need not show in a process list)",
     )
     srv.add_argument("--served-model-name", default=None, help="the model's name in the API")
+    srv.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters served as models of these names (needs --enable-lora)",
+    )
     srv.set_defaults(func=cmd_serve)
     return parser
 
@@ -291,7 +298,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args, model=model)
     api_key = args.api_key or os.environ.get("EMBER_API_KEY") or None
     name = args.served_model_name or args.model_tag or args.model or model
-    serve(engine_args, args.host, args.port, api_key, name)
+    serve(engine_args, args.host, args.port, api_key, name, args.lora_modules)
     return 0
 
 

@@ -76,6 +76,24 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def embed(self, request_id: str, prompt: PromptType) -> Any:
+        """One prompt's embedding (`EmbeddingRequestOutput`); ValueError for bad input."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        added: Future = Future()
+        self._post("embed", (request_id, prompt, None, None, loop, queue, added))
+        await asyncio.wrap_future(added)
+        try:
+            item = await queue.get()
+        except BaseException:
+            self.abort(request_id)
+            raise
+        if isinstance(item, BaseException):
+            raise item
+        if item is _DONE:
+            raise RuntimeError(f"embedding request {request_id!r} was aborted")
+        return item
+
     def abort(self, request_id: str) -> None:
         self._post("abort", request_id)
 
@@ -143,7 +161,10 @@ class AsyncLLMEngine:
         try:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            self.engine.add_request(request_id, prompt, params, lora)
+            if kind == "embed":
+                self.engine.add_embed_request(request_id, prompt)
+            else:
+                self.engine.add_request(request_id, prompt, params, lora)
         except Exception as e:  # noqa: BLE001  (bad input: the caller gets it, the loop goes on)
             added.set_exception(e)
             return

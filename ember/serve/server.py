@@ -2,17 +2,21 @@
 
 Endpoints: `/health` (no auth), `/metrics` (Prometheus, `ember.serve.metrics`), `/v1/models`,
 `/v1/completions` and `/v1/chat/completions` (streaming as server-sent events, `usage`
-counts). Request fields are OpenAI's plus vLLM's sampling extras (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...). Bad requests get
-OpenAI-style JSON errors: 400 for values the engine rejects, 422 for a body that fails
-validation, 404 for an unknown model, 401 without the API key (`--api-key` or
-`EMBER_API_KEY`, as `Authorization: Bearer <key>`); none of them disturbs other requests. A
-client that disconnects mid-stream has its request aborted (its KV blocks freed).
+counts), `/v1/embeddings`; LoRA adapters are served as models of their own names. Request
+fields are OpenAI's plus vLLM's sampling extras (top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, stop_token_ids, ...). Bad requests get OpenAI-style JSON errors: 400
+for values the engine rejects, 422 for a body that fails validation, 404 for an unknown
+model, 401 without the API key (`--api-key` or `EMBER_API_KEY`, as `Authorization: Bearer
+<key>`); none of them disturbs other requests. A client that disconnects mid-stream has its
+request aborted (its KV blocks freed).
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from ember.lora.adapter import LoRARequest
 from ember.runtime.llm import render_chat
 from ember.runtime.outputs import RequestOutput
 from ember.runtime.request import SamplingParams
@@ -83,6 +88,15 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
 
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: str = "float"
+    user: str | None = None
+
+
 class ChatRequest(_Sampling):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -107,8 +121,15 @@ def _prompts(prompt: Any) -> list[Any]:
     return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The server's app over a running async engine, serving the model as `model_name`."""
+def build_app(
+    engine: AsyncLLMEngine,
+    model_name: str,
+    api_key: str | None = None,
+    loras: dict[str, LoRARequest] | None = None,
+) -> FastAPI:
+    """The server's app over a running async engine, serving the model as `model_name` and
+    each LoRA adapter of `loras` as a model of its own name (as vLLM's `--lora-modules`)."""
+    loras = dict(loras or {})
     app = FastAPI(title="ember", docs_url=None, redoc_url=None)
     tokenizer = engine.engine.tokenizer
     defaults = engine.engine.default_sampling
@@ -139,30 +160,63 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "ember"}
-        return {"object": "list", "data": [card]}
+        cards = [card] + [card | {"id": name, "parent": model_name} for name in loras]
+        return {"object": "list", "data": cards}
 
-    def check_model(name: str | None) -> JSONResponse | None:
-        if name is not None and name != model_name:
-            return _error(404, f"model {name!r} does not exist (this server has {model_name!r})",
-                          "NotFoundError")  # fmt: skip
-        return None
+    def check_model(name: str | None) -> JSONResponse | LoRARequest | None:
+        """None for the base model, the adapter of a LoRA name, or a 404 response."""
+        if name is None or name == model_name:
+            return None
+        if name in loras:
+            return loras[name]
+        names = [model_name, *loras]
+        return _error(404, f"model {name!r} does not exist (this server has {names})",
+                      "NotFoundError")  # fmt: skip
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> Any:
+        if isinstance(bad := check_model(body.model), JSONResponse):
+            return bad
+        if bad is not None:
+            return _error(400, "embeddings with a LoRA adapter are not supported")
+        if body.encoding_format not in ("float", "base64"):
+            return _error(
+                400, f"encoding_format must be float or base64, got {body.encoding_format!r}"
+            )
+        rid = f"embd-{uuid.uuid4().hex}"
+        try:
+            outs = await asyncio.gather(*(
+                engine.embed(f"{rid}-{i}", p) for i, p in enumerate(_prompts(body.input))
+            ))  # fmt: skip
+        except ValueError as e:
+            return _error(400, str(e))
+        data = []
+        for i, out in enumerate(outs):
+            vector: Any = out.outputs.embedding
+            if body.encoding_format == "base64":
+                vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": vector})
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        return {"object": "list", "data": data, "model": body.model or model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Any:
-        if (bad := check_model(body.model)) is not None:
-            return bad
+        if isinstance(lora := check_model(body.model), JSONResponse):
+            return lora
         try:
             params = body.sampling_params(defaults, body.max_tokens)
             prompts = _prompts(body.prompt)
         except ValueError as e:
             return _error(400, str(e))
         rid = f"cmpl-{uuid.uuid4().hex}"
-        return await _respond(engine, rid, prompts, params, body, model_name, created, chat=False)
+        name = body.model or model_name
+        return await _respond(engine, rid, prompts, params, body, name, created, lora, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest) -> Any:
-        if (bad := check_model(body.model)) is not None:
-            return bad
+        if isinstance(lora := check_model(body.model), JSONResponse):
+            return lora
         try:
             prompt = render_chat(
                 tokenizer, body.messages, body.chat_template, "auto",
@@ -174,7 +228,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         except ValueError as e:
             return _error(400, str(e))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        return await _respond(engine, rid, [prompt], params, body, model_name, created, chat=True)
+        name = body.model or model_name
+        return await _respond(engine, rid, [prompt], params, body, name, created, lora, chat=True)
 
     return app
 
@@ -187,6 +242,7 @@ async def _respond(
     body: _Sampling,
     model_name: str,
     created: int,
+    lora: LoRARequest | None,
     chat: bool,
 ) -> Any:
     """Start one engine request per prompt (all validated before any runs), then answer as a
@@ -194,7 +250,7 @@ async def _respond(
     streams = []
     try:
         for i, prompt in enumerate(prompts):
-            stream = engine.generate(f"{rid}-{i}", prompt, params)
+            stream = engine.generate(f"{rid}-{i}", prompt, params, lora)
             first = await anext(stream, None)  # raises ValueError for bad input
             streams.append((stream, first))
     except ValueError as e:
@@ -302,17 +358,42 @@ async def _prepend(
         yield out
 
 
+def parse_lora_modules(specs: list[str] | None) -> dict[str, LoRARequest]:
+    """`name=path` pairs (vLLM's `--lora-modules`) as adapters with ids 1, 2, ..."""
+    loras: dict[str, LoRARequest] = {}
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules entries must be name=path, got {spec!r}")
+        if name in loras:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        loras[name] = LoRARequest(name, len(loras) + 1, path)
+    return loras
+
+
 def serve(
-    engine_args: Any, host: str, port: int, api_key: str | None, model_name: str | None
+    engine_args: Any,
+    host: str,
+    port: int,
+    api_key: str | None,
+    model_name: str | None,
+    lora_modules: list[str] | None = None,
 ) -> None:
     """Build the engine (compiling every graph first), then serve until interrupted."""
     import uvicorn  # noqa: PLC0415
 
     from ember.runtime.engine import LLMEngine  # noqa: PLC0415
 
+    loras = parse_lora_modules(lora_modules)
+    if loras and not engine_args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     config = engine_args.create_engine_config()
-    engine = AsyncLLMEngine(LLMEngine.from_config(config))
-    app = build_app(engine, model_name or engine_args.model, api_key)
+    llm_engine = LLMEngine.from_config(config)
+    for lora in loras.values():  # checked (and loaded) before the server takes requests
+        assert llm_engine.lora is not None
+        llm_engine.lora.add(lora)
+    engine = AsyncLLMEngine(llm_engine)
+    app = build_app(engine, model_name or engine_args.model, api_key, loras)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:

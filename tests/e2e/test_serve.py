@@ -5,10 +5,12 @@ equals non-streaming, bad requests get OpenAI-style errors and leave the server 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -18,7 +20,7 @@ import urllib.request
 import pytest
 from transformers import AutoTokenizer
 
-from ember import LLM, SamplingParams
+from ember import LLM, LoRARequest, SamplingParams
 from ember.runtime.engine import LLMEngine
 from tests.conftest import make_prompts
 
@@ -29,7 +31,8 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant:{% endif %}"
 )
-ENGINE = {"compile": False, "dtype": "float32", "kv_cache_gib": 0.02, "max_model_len": 256}
+ENGINE = {"compile": False, "dtype": "float32", "kv_cache_gib": 0.02, "max_model_len": 256,
+          "enable_lora": True, "max_lora_rank": 8}  # fmt: skip
 KEY = "sk-test-key"
 
 
@@ -41,6 +44,14 @@ def model_dir(checkpoint_dir, tmp_path_factory):
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def adapter(model_dir, tmp_path_factory):
+    from tests.lora.test_lora_e2e import make_adapter
+
+    path = str(tmp_path_factory.mktemp("adapter") / "sql")
+    return LoRARequest("sql", 1, make_adapter(model_dir, path, 1, 8, ["q_proj", "v_proj"]))
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +68,14 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    """`ember serve MODEL` with the key from EMBER_API_KEY (never on the command line)."""
+def server(model_dir, adapter):
+    """`ember serve MODEL` with the key from EMBER_API_KEY (never on the command line) and an
+    adapter served as the model "sql"."""
     port = _free_port()
     cmd = [sys.executable, "-m", "ember.cli", "serve", model_dir, "--port", str(port),
            "--no-compile", "--kv-cache-gib", "0.02", "--max-model-len", "256",
-           "--dtype", "float32", "--served-model-name", "tiny"]  # fmt: skip
+           "--dtype", "float32", "--served-model-name", "tiny", "--enable-lora",
+           "--max-lora-rank", "8", "--lora-modules", f"sql={adapter.lora_path}"]  # fmt: skip
     env = dict(os.environ, EMBER_API_KEY=KEY)
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -155,7 +168,7 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, client):
     assert e.value.code == 401 and json.loads(e.value.read())["error"]["code"] == 401
     with urllib.request.urlopen(server + "/health") as r:  # no key needed
         assert r.status == 200
-    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert [m.id for m in client.models.list()] == ["tiny", "sql"]
     r = client.completions.create(model="tiny", prompt="still fine", max_tokens=3)
     assert r.usage.completion_tokens >= 1
 
@@ -275,3 +288,31 @@ def test_64_concurrent_streams_with_disconnects(server, offline):
     assert m["ember_time_to_first_token_seconds_count"] >= 64
     assert m["ember_generation_tokens_total"] >= 48 * 16
     assert m["ember_requests_aborted_total"] >= 8  # hung up mid-generation: aborted, not run out
+
+
+def test_lora_modules_are_models_of_their_own(client, offline, adapter):
+    prompts = make_prompts(3, seed=51)
+    want = offline.generate([{"prompt_token_ids": p} for p in prompts], _greedy(),
+                            lora_request=adapter, use_tqdm=False)  # fmt: skip
+    base = offline.generate([{"prompt_token_ids": p} for p in prompts], _greedy(),
+                            use_tqdm=False)  # fmt: skip
+    for p, w, b in zip(prompts, want, base, strict=True):
+        kw = dict(prompt=p, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+        assert client.completions.create(model="sql", **kw).choices[0].text == w.outputs[0].text
+        assert client.completions.create(model="tiny", **kw).choices[0].text == b.outputs[0].text
+    assert [w.outputs[0].token_ids for w in want] != [b.outputs[0].token_ids for b in base]
+
+
+def test_embeddings_equal_offline_embed(client, offline):
+    texts = ["A man is eating food.", "A man is eating bread.", "The sky is blue."]
+    want = [o.outputs.embedding for o in offline.embed(texts, use_tqdm=False)]
+    r = client.embeddings.create(model="tiny", input=texts)
+    assert [d.index for d in r.data] == [0, 1, 2]
+    for d, w in zip(r.data, want, strict=True):
+        assert d.embedding == pytest.approx(w, abs=1e-6)
+    assert r.usage.prompt_tokens > 0
+    b64 = client.embeddings.create(model="tiny", input=texts[0], encoding_format="base64")
+    raw = base64.b64decode(b64.data[0].embedding)  # little-endian float32, as OpenAI sends it
+    assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(want[0], abs=1e-6)
+    with pytest.raises(openai.BadRequestError, match="prompt"):
+        client.embeddings.create(model="tiny", input=[[]])
