@@ -138,6 +138,17 @@ AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.serve:
+        from ember.tools.serve_bench import run_serve_bench  # noqa: PLC0415
+
+        result = run_serve_bench(
+            args.serve, args.served_model or "default", args.request_rate, args.num_prompts,
+            args.input_words, args.output_len,
+            args.api_key or os.environ.get("EMBER_API_KEY") or "none",
+        )  # fmt: skip
+        print(f"serving benchmark against {args.serve} ({args.served_model}), request rate "
+              f"{args.request_rate}/s:\n{result.summary()}")  # fmt: skip
+        return 0 if result.errors == 0 else 1
     if args.cpu_isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
         env = dict(os.environ, **AVX2_ENV)
         # The same ember as this process (not whichever `python -m` finds first from the cwd).
@@ -264,6 +275,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not use the default compile cache dir (measures cold start)",
     )
+    srv_b = bench_p.add_argument_group("serving benchmark (--serve URL: no engine is built)")
+    srv_b.add_argument("--serve", default=None, metavar="URL",
+                       help="benchmark an OpenAI-compatible server (ember, llama-server, vLLM) "
+                       "with Poisson arrivals")  # fmt: skip
+    srv_b.add_argument("--served-model", default=None, help="the model name the server serves")
+    srv_b.add_argument("--request-rate", type=float, default=4.0,
+                       help="requests per second (0: all at once)")  # fmt: skip
+    srv_b.add_argument("--num-prompts", type=int, default=64)
+    srv_b.add_argument("--input-words", type=int, default=96, help="random words per prompt")
+    srv_b.add_argument("--output-len", type=int, default=128, help="tokens per request")
+    srv_b.add_argument("--api-key", default=None, help="default: EMBER_API_KEY")
     bench_p.set_defaults(func=cmd_bench)
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",

@@ -316,3 +316,14 @@ def test_embeddings_equal_offline_embed(client, offline):
     assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(want[0], abs=1e-6)
     with pytest.raises(openai.BadRequestError, match="prompt"):
         client.embeddings.create(model="tiny", input=[[]])
+
+
+def test_serving_benchmark_runs_against_the_server(server):
+    from ember.tools.serve_bench import run_serve_bench
+
+    r = run_serve_bench(server, "tiny", request_rate=20.0, num_prompts=6, input_words=20,
+                        output_len=8, api_key=KEY)  # fmt: skip
+    assert r.errors == 0 and r.output_tokens == 6 * 8
+    assert len(r.ttft_ms) == len(r.tpot_ms) == len(r.e2e_ms) == 6
+    assert all(e >= t for e, t in zip(r.e2e_ms, r.ttft_ms, strict=True))
+    assert "TTFT ms p50" in r.summary()
