@@ -6,8 +6,8 @@ TPOT and end-to-end latency percentiles and output tokens per second.
 
 Prompts are random words (seeded), so every server tokenizes the same text; each request asks
 for exactly `output_len` tokens (`ignore_eos`, which ember, vLLM and llama-server all take).
-TPOT is per request (last text chunk - first) / (tokens - 1), tokens as the server's `usage`
-reports them (`stream_options.include_usage`), else the chunks with text.
+TPOT is per request (last token chunk - first) / (tokens - 1), tokens as the server's `usage`
+reports them (`stream_options.include_usage`), else the chunks.
 """
 
 from __future__ import annotations
@@ -69,7 +69,9 @@ async def _one(client: Any, model: str, prompt: str, output_len: int) -> tuple[f
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
     )  # fmt: skip
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
+        # Any chunk with a choice is a token arriving (llama-server streams tokens whose text
+        # is empty, such as byte pieces, as chunks too).
+        if chunk.choices and (chunk.choices[0].text or chunk.choices[0].finish_reason is None):
             now = time.perf_counter()
             first = first if first is not None else now
             last = now
@@ -77,7 +79,7 @@ async def _one(client: Any, model: str, prompt: str, output_len: int) -> tuple[f
         if getattr(chunk, "usage", None) is not None:
             usage = chunk.usage.completion_tokens
     if first is None or last is None:
-        raise RuntimeError("the server streamed no text")
+        raise RuntimeError("the server streamed no token")
     return start, first, last, usage if usage is not None else chunks
 
 
