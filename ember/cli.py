@@ -307,6 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="LoRA adapters served as models of these names (needs --enable-lora)",
     )
+    srv.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve --replicas N with Ray Serve (RAY_ADDRESS or local)",
+    )
+    srv.add_argument("--replicas", type=int, default=2, help="Ray Serve replicas (with --ray)")
     srv.set_defaults(func=cmd_serve)
     return parser
 
@@ -320,6 +326,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args, model=model)
     api_key = args.api_key or os.environ.get("EMBER_API_KEY") or None
     name = args.served_model_name or args.model_tag or args.model or model
+    if args.ray:
+        from ember.serve.ray import serve_with_ray  # noqa: PLC0415
+
+        serve_with_ray(
+            engine_args, args.host, args.port, api_key, name, args.replicas, args.lora_modules
+        )
+        return 0
     serve(engine_args, args.host, args.port, api_key, name, args.lora_modules)
     return 0
 

@@ -1,0 +1,67 @@
+"""Scale-out with Ray on a local Ray instance started by the test (2 CPUs): a Ray Serve
+application of 2 ember replicas answers requests routed to both, with the same greedy outputs as
+offline `LLM.generate`, and Ray Data's `map_batches` with `EmberPredictor` equals it too. About
+40 s on 2 cores, so it stays in the default run."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+
+import pytest
+
+from ember import LLM, SamplingParams
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.serve")
+pytest.importorskip("fastapi")
+
+ENGINE = {"compile": False, "dtype": "float32", "kv_cache_gib": 0.02, "max_model_len": 256}
+PROMPTS = ["Hello world", "The quick brown fox", "Once upon a time", "A river of stone"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_serve_replicas_and_ray_data_match_offline_generate(checkpoint_dir):
+    from ray import serve
+
+    from ember.serve.ray import EmberPredictor, deployment
+
+    d = checkpoint_dir("tiny-llama")
+    greedy = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    want = [o.outputs[0].text for o in LLM(model=d, **ENGINE).generate(
+        PROMPTS, SamplingParams(**greedy), use_tqdm=False)]  # fmt: skip
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = deployment(d, num_replicas=2, served_model_name="tiny", num_cpus=0.5, threads=1,
+                         **ENGINE)  # fmt: skip
+        serve.run(app, route_prefix="/", name="ember")
+        replicas = set()
+        for i in range(16):
+            body = {"model": "tiny", "prompt": PROMPTS[i % 4], **greedy}
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )  # fmt: skip
+            with urllib.request.urlopen(req, timeout=60) as r:
+                replicas.add(r.headers["x-ember-replica"])
+                assert json.loads(r.read())["choices"][0]["text"] == want[i % 4]
+        assert len(replicas) == 2  # Serve routed requests to both replicas
+        serve.shutdown()
+        ds = ray.data.from_items([{"prompt": p} for p in PROMPTS])
+        rows = ds.map_batches(
+            EmberPredictor, fn_constructor_kwargs={"model": d, "sampling": greedy, **ENGINE},
+            concurrency=1, batch_size=2, num_cpus=1,
+        ).take_all()  # fmt: skip
+        got = {r["prompt"]: r["generated_text"] for r in rows}
+        assert [got[p] for p in PROMPTS] == want
+        assert all(r["num_generated_tokens"] == 8 for r in rows)
+    finally:
+        ray.shutdown()
