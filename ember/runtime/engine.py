@@ -100,6 +100,10 @@ class LLMEngine:
         embed = model.get_input_embeddings()  # type: ignore[operator]
         self.vocab_size = int(getattr(embed, "num_embeddings", None) or embed.weight.shape[0])  # type: ignore[index]
         self.eos_token_id, self.other_eos_ids = _eos_ids(model, self.tokenizer)
+        # Every id that ends a request as EOS (masked by min_tokens, allowed at a grammar's end).
+        self._all_eos_ids = sorted(
+            self.other_eos_ids | ({self.eos_token_id} if self.eos_token_id is not None else set())
+        )
         self.default_sampling = _sampling_defaults(model, config.generation_config)
         self._grammar_compiler: GrammarCompiler | None = None
         self.block_manager = BlockManager(num_blocks, config.block_size)
@@ -288,9 +292,7 @@ class LLMEngine:
             text, token_ids = self.tokenize(prompt)
             token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
         self._validate_prompt(token_ids, params)
-        stop_ids = [*params.stop_ids, *self.other_eos_ids]
-        if self.eos_token_id is not None:
-            stop_ids.append(self.eos_token_id)
+        stop_ids = [*params.stop_ids, *self._all_eos_ids]
         controls = resolve_controls(params, self.vocab_size, self.tokenizer, stop_ids)
         grammar = None
         if params.structured_outputs is not None:
@@ -326,10 +328,9 @@ class LLMEngine:
         """The structured-output grammar compiler, made on first use (xgrammar's tokenizer
         info takes ~0.2 s for a 150k vocabulary)."""
         if self._grammar_compiler is None:
-            stops = set(self.other_eos_ids)
-            if self.eos_token_id is not None:
-                stops.add(self.eos_token_id)
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(stops))
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer, self.vocab_size, self._all_eos_ids
+            )
         return self._grammar_compiler
 
     def _add_parent(self, parent: _ParentState) -> None:

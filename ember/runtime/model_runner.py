@@ -144,8 +144,9 @@ class ModelRunner:
             [r.prompt_token_ids for r in sampling],
             [r.output_token_ids for r in sampling],
         )
-        constrained = [i for i, r in enumerate(sampling) if r.grammar is not None]
-        constrained = [i for i in constrained if i not in failed]
+        constrained = [
+            i for i, r in enumerate(sampling) if r.grammar is not None and i not in failed
+        ]
         if constrained:  # structured outputs: mask what each grammar disallows next
             masks = fill_bitmasks([sampling[i].grammar for i in constrained])  # type: ignore[misc]
             if constrained == list(range(len(constrained))):

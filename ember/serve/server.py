@@ -260,13 +260,13 @@ async def _respond(
     kind = "chat.completion" if chat else "text_completion"
     if body.stream:
         usage = bool((body.stream_options or {}).get("include_usage"))
-        events = _events(streams, params.n, rid, kind, model_name, created, chat, usage)
+        events = _events(streams, params.n, rid, model_name, created, chat, usage)
         return StreamingResponse(events, media_type="text/event-stream")
     texts: dict[int, list[str]] = {}
     reasons: dict[int, str | None] = {}
     prompt_tokens = completion_tokens = 0
     for p, (stream, first) in enumerate(streams):
-        outs = [first] + [out async for out in stream] if first is not None else []
+        outs = [out async for out in _prepend(first, stream)]
         if outs:
             prompt_tokens += len(outs[0].prompt_token_ids)
         for out in outs:
@@ -288,16 +288,19 @@ async def _respond(
                             "finish_reason": reasons[idx]})  # fmt: skip
     return {
         "id": rid, "object": kind, "created": created, "model": model_name, "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "usage": _usage(prompt_tokens, completion_tokens),
     }  # fmt: skip
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
 async def _events(
     streams: list[tuple[AsyncIterator[RequestOutput], RequestOutput | None]],
     n: int,
     rid: str,
-    kind: str,
     model_name: str,
     created: int,
     chat: bool,
@@ -338,9 +341,7 @@ async def _events(
                 if choices:
                     yield event(choices)
         if include_usage:
-            yield event([], {"prompt_tokens": prompt_tokens,
-                             "completion_tokens": completion_tokens,
-                             "total_tokens": prompt_tokens + completion_tokens})  # fmt: skip
+            yield event([], _usage(prompt_tokens, completion_tokens))
         yield "data: [DONE]\n\n"
     finally:  # a client gone mid-stream: every request still running is aborted
         for stream, _ in streams:
