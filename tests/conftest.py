@@ -151,7 +151,7 @@ def gib_for_blocks(
     from ember.compiler.hf_config import kv_geometry, load_hf_config
     from ember.runtime.config import KVCacheSpec
 
-    layers, kv_heads, head_dim = kv_geometry(load_hf_config(model_dir))
+    layers, kv_heads, head_dim = kv_geometry(load_hf_config(model_dir).get_text_config())
     spec = KVCacheSpec(((kv_heads, head_dim),) * layers, block_size, num_blocks, dtype)
     return (num_blocks * spec.bytes_per_block + 1) / 2**30
 

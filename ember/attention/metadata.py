@@ -28,6 +28,12 @@ class AttentionMetadata:
     encoder output's K/V, written once per request):
     cross_seq_lens    [num_seqs]        encoder length per sequence (0 for padding)
     cross_block_tables [num_seqs, max_cross_blocks]
+
+    Vision-language models (Mllama) attend a range of the image K/V per token:
+    cross_token_ranges [num_tokens, 2]  [start, end) of the token's sequence's cross tokens
+                                        (start == end: no cross-attention, output zero)
+    cross_row_mask     [num_tokens]     1.0 where the token attends an image, else 0.0 (HF's
+                                        `full_text_row_masked_out_mask`)
     """
 
     slot_mapping: torch.Tensor
@@ -36,6 +42,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     cross_seq_lens: torch.Tensor | None = None
     cross_block_tables: torch.Tensor | None = None
+    cross_token_ranges: torch.Tensor | None = None
+    cross_row_mask: torch.Tensor | None = None
 
 
 def build_attention_metadata(

@@ -51,3 +51,56 @@ def _write_kv_fake(*args: object) -> None:
 
 
 write_kv_cache = define_op("write_kv_cache", write_kv, _write_kv_fake, mutates_args=("kv_cache",))
+
+
+def cross_attention_ranges_ref(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    cross_seq_lens: torch.Tensor,
+    cross_block_tables: torch.Tensor,
+    token_ranges: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Cross-attention of a vision-language model over paged image K/V, one range per token.
+
+    query [num_tokens, num_heads, head_dim]; kv_cache in the default layout, read only (the
+    image K/V were written by `write_kv_cache`); cross_seq_lens [num_seqs] image tokens per
+    sequence in the blocks `cross_block_tables [num_seqs, max_cross_blocks]`; token_ranges
+    [num_tokens, 2]: the [start, end) of its sequence's image tokens each token attends (no
+    causal order: every image token is context). A token with start == end (text-only
+    sequences, padding) gets zeros. Math in fp32; returns query's dtype.
+    """
+    out = torch.zeros_like(query)
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    starts = query_start_loc.tolist()
+    lens = cross_seq_lens.tolist()
+    for s, length in enumerate(lens):
+        a, b = starts[s], starts[s + 1]
+        if length <= 0 or b <= a:
+            continue
+        ranges = token_ranges[a:b].long()
+        live = ranges[:, 1] > ranges[:, 0]
+        if not bool(live.any()):
+            continue
+        blocks = cross_block_tables[s, : -(-length // block_size)].long()
+        k = kv_cache[0].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:length]
+        v = kv_cache[1].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:length]
+        pos = torch.arange(length)
+        mask = (pos[None, :] >= ranges[:, :1]) & (pos[None, :] < ranges[:, 1:])
+        mask[~live] = True  # rows computed but dropped below
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            query[a:b].float().transpose(0, 1)[None],
+            k.float().transpose(0, 1)[None],
+            v.float().transpose(0, 1)[None],
+            attn_mask=mask[None, None],
+            scale=scale,
+            enable_gqa=True,
+        )[0].transpose(0, 1)
+        out[a:b] = torch.where(live[:, None, None], attended, 0.0).to(query.dtype)
+    return out
+
+
+cross_attention_ranges = define_op(
+    "cross_attention_ranges", cross_attention_ranges_ref, paged_attention_fake
+)

@@ -19,6 +19,7 @@ OPAQUE_OPS: dict[str, str] = {
     "ember::paged_attention_ipex": "ember.attention.ipex_cpu",
     "ember::paged_attention_triton": "ember.attention.triton_paged",
     "ember::write_kv_cache": "ember.attention.ops",
+    "ember::cross_attention_ranges": "ember.attention.ops",
     "ember::lora_shrink": "ember.lora.ops",
     "ember::lora_expand": "ember.lora.ops",
     "ember_cpu::paged_attention_cpu": "ember.kernels",

@@ -32,16 +32,26 @@ class Forwards:
     [num_tokens, hidden] for an embedding model. `hidden`: hidden states [num_tokens, hidden]
     for pooling (an embedding model's `step`; a causal LM's base model, eager, since its graphs
     produce logits). `encoder`: the encoder pass of an encoder-decoder model, else None.
+    `vision`: the vision pass of a vision-language model, one image per call
+    (`capture_vision_forward`), else None; `text`: its step for steps where no token attends
+    an image (cross-attention layers skipped, as HF skips them without images), else None.
     Compiled forwards are `CompiledForward`s.
     """
 
     step: Forward
     hidden: Forward
     encoder: Forward | None = None
+    vision: Forward | None = None
+    text: Forward | None = None
 
     def compiled(self) -> list[tuple[str, CompiledForward]]:
         """The compiled forwards by name (the name keys their graphs in the compile cache)."""
-        named = [("step", self.step), ("encoder", self.encoder)]
+        named = [
+            ("step", self.step),
+            ("encoder", self.encoder),
+            ("vision", self.vision),
+            ("text", self.text),
+        ]
         return [(name, f) for name, f in named if isinstance(f, CompiledForward)]
 
 
@@ -56,8 +66,13 @@ def build_forwards(
     `buckets` (plus one dynamic-token graph). The KV caches' block count is a dynamic dim, so
     graphs do not depend on the cache size."""
     model, task = loaded.model, loaded.spec.task
+    vision = text = None
     if task == "embed":
         step = capture_hidden_forward(model, task)
+    elif loaded.spec.multimodal is not None:
+        step = capture_cross_attention_lm_forward(model)
+        text = capture_cross_attention_lm_forward(model, images=False)
+        vision = capture_vision_forward(model)
     else:
         step = capture_forward(model, task)
     encoder = capture_encoder_forward(model) if task == "encdec" else None
@@ -66,8 +81,10 @@ def build_forwards(
             torch._dynamo.mark_dynamic(kv, 1)
         step = CompiledForward(step, buckets, freezing)
         encoder = CompiledForward(encoder, buckets, freezing) if encoder is not None else None
+        vision = CompiledForward(vision, (), freezing, static=True) if vision else None
+        text = CompiledForward(text, buckets, freezing) if text is not None else None
     hidden = step if task == "embed" else capture_hidden_forward(model, task)
-    return Forwards(step, hidden, encoder)
+    return Forwards(step, hidden, encoder, vision, text)
 
 
 def _no_guards(entries: list[Any]) -> list[bool]:
@@ -91,10 +108,18 @@ class CompiledForward:
     engine's weights, KV caches and LoRA slots.
     """
 
-    def __init__(self, forward: Forward, buckets: tuple[int, ...], freezing: bool = False) -> None:
+    def __init__(
+        self,
+        forward: Forward,
+        buckets: tuple[int, ...],
+        freezing: bool = False,
+        static: bool = False,
+    ) -> None:
         self.forward = forward
         self.buckets = buckets
         self.freezing = freezing
+        # One graph of fixed input shapes (the vision pass: one image), not a step.
+        self.static = static
         self.graphs: dict[str, Any] = {}
         self.num_compiled = 0  # graphs compiled in this process (cache misses, late shapes)
         self.num_loaded = 0  # graphs loaded from the compile cache
@@ -102,6 +127,8 @@ class CompiledForward:
 
     def key(self, num_tokens: int) -> str:
         """The graph serving a step of `num_tokens` (already padded to its bucket)."""
+        if self.static:
+            return "static"
         return f"tokens{num_tokens}" if num_tokens <= self.buckets[-1] else "dynamic"
 
     def __call__(self, *args: Any) -> Any:
@@ -126,7 +153,8 @@ class CompiledForward:
                 graph = torch.compiler.load_compiled_function(f, external_data=external)
             self.num_loaded += 1
         else:
-            _mark_step_dynamic(args, dynamic_tokens=key == "dynamic")
+            if not self.static:
+                _mark_step_dynamic(args, dynamic_tokens=key == "dynamic")
             compiler = torch.compile(
                 self.forward, fullgraph=True, options={"guard_filter_fn": _no_guards}
             )
@@ -154,7 +182,8 @@ class CompiledForward:
                 self.forward.__closure__,
             )
             self._dynamo = torch.compile(fresh, fullgraph=True)
-        _mark_step_dynamic(args, dynamic_tokens=key == "dynamic")
+        if not self.static:
+            _mark_step_dynamic(args, dynamic_tokens=key == "dynamic")
         self._dynamo(*args)
         self.num_compiled += 1
         self.graphs[key] = self._dynamo
@@ -175,8 +204,11 @@ def _mark_step_dynamic(args: tuple[Any, ...], dynamic_tokens: bool) -> None:
             torch._dynamo.mark_dynamic(t, 0)
             torch._dynamo.mark_dynamic(t, 1)
     if dynamic_tokens:
-        for t in (input_ids, positions, meta.slot_mapping):
-            torch._dynamo.mark_dynamic(t, 0)
+        for t in (input_ids, positions, meta.slot_mapping, meta.cross_token_ranges):
+            if t is not None:
+                torch._dynamo.mark_dynamic(t, 0)
+        if meta.cross_row_mask is not None:
+            torch._dynamo.mark_dynamic(meta.cross_row_mask, 0)
 
 
 def capture_encoder_forward(model: PreTrainedModel) -> Callable[..., Any]:
@@ -211,6 +243,107 @@ def capture_encoder_forward(model: PreTrainedModel) -> Callable[..., Any]:
                 attn_metadata.slot_mapping,
             )
         return hidden
+
+    return forward
+
+
+def capture_vision_forward(model: PreTrainedModel) -> Callable[..., Any]:
+    """The vision pass of a vision-language model (Mllama), one image per call:
+    `(pixel_values [1, 1, tiles, C, H, W], aspect_ratio_ids [1, 1], aspect_ratio_mask [1, 1,
+    tiles], slot_mapping [tiles * patches], kv_caches)` -> the projected image states
+    [tiles * patches, hidden].
+
+    Runs HF's vision tower and projector unmodified (every tile, padding tiles included: HF's
+    valid tiles attend them), then writes each cross-attention layer's K (after its k_norm)
+    and V of the image states into the request's cross blocks at `slot_mapping`
+    (`ember::write_kv_cache`), once per request.
+    """
+    inner = model.model
+    vision, projector = inner.vision_model, inner.multi_modal_projector
+    lm = model.get_decoder()
+    layers = [lm.layers[i].cross_attn for i in lm.cross_attention_layers]
+    hidden_size = lm.config.hidden_size
+
+    def forward(
+        pixel_values: torch.Tensor,
+        aspect_ratio_ids: torch.Tensor,
+        aspect_ratio_mask: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        states = vision(
+            pixel_values=pixel_values,
+            aspect_ratio_ids=aspect_ratio_ids,
+            aspect_ratio_mask=aspect_ratio_mask,
+        ).last_hidden_state
+        states = projector(states).reshape(-1, hidden_size)
+        for attn in layers:
+            shape = (states.shape[0], -1, attn.head_dim)
+            torch.ops.ember.write_kv_cache(
+                kv_caches[attn.layer_idx],
+                attn.k_norm(attn.k_proj(states).view(shape)),
+                attn.v_proj(states).view(shape),
+                slot_mapping,
+            )
+        return states
+
+    return forward
+
+
+def capture_cross_attention_lm_forward(
+    model: PreTrainedModel, images: bool = True
+) -> Callable[..., Any]:
+    """A vision-language model's language-model step (Mllama), same signature and result as
+    `capture_forward`'s.
+
+    The HF text model runs unmodified with a one-row placeholder as `cross_attention_states`
+    (so no cross-attention layer is skipped; its own K/V of it are ignored: each token attends
+    its range of the request's image K/V, see `ember.compiler.hf_bridge`) and the step's
+    per-token `cross_row_mask` as `full_text_row_masked_out_mask`. A text-only token (empty
+    range, row mask 0) leaves a cross-attention layer unchanged, as HF skipping it does.
+    `images=False`: the step of a batch with no image tokens, in which HF's text model skips
+    its cross-attention layers (no cross-attention states).
+    """
+    lm, head = model.get_decoder(), model.get_output_embeddings()
+    if not images:
+
+        def text_forward(
+            input_ids: torch.Tensor,
+            positions: torch.Tensor,
+            logits_indices: torch.Tensor,
+            attn_metadata: Any,
+            kv_caches: list[torch.Tensor],
+        ) -> torch.Tensor:
+            hidden = lm(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                attn_metadata=attn_metadata,
+                kv_caches=kv_caches,
+            ).last_hidden_state[0]
+            return head(hidden[logits_indices])
+
+        return text_forward
+
+    def forward(
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        attn_metadata: Any,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        embeds = lm.embed_tokens(input_ids[None])
+        row_mask = attn_metadata.cross_row_mask.to(embeds.dtype)[None, None, :, None]
+        hidden = lm(
+            inputs_embeds=embeds,
+            position_ids=positions[None],
+            cross_attention_states=embeds.new_zeros(1, 1, embeds.shape[-1]),
+            full_text_row_masked_out_mask=row_mask,
+            use_cache=False,
+            attn_metadata=attn_metadata,
+            kv_caches=kv_caches,
+        ).last_hidden_state[0]
+        return head(hidden[logits_indices])
 
     return forward
 

@@ -15,6 +15,7 @@ import torch
 from transformers import AttentionInterface
 
 from ember.attention import AttentionBackend
+from ember.attention import ops as _ops  # noqa: F401  (registers ember::cross_attention_ranges)
 from ember.attention.metadata import AttentionMetadata
 
 
@@ -43,7 +44,22 @@ def _attention_forward(
     seq_lens: torch.Tensor | None = meta.seq_lens
     tables: torch.Tensor | None = meta.block_tables
     causal = bool(getattr(module, "is_causal", True))
-    if getattr(module, "_ember_cross_attention", False):
+    cross = getattr(module, "_ember_cross_attention", False)
+    if cross == "ranges":
+        # A vision-language model's cross-attention: each token attends its own range of its
+        # sequence's image K/V (written once per request by the vision pass, see
+        # `ember.compiler.capture.capture_vision_forward`); HF's key/value are ignored.
+        out = torch.ops.ember.cross_attention_ranges(
+            query[0].transpose(0, 1),
+            kwargs["kv_caches"][module.layer_idx],
+            meta.query_start_loc,
+            meta.cross_seq_lens,
+            meta.cross_block_tables,
+            meta.cross_token_ranges,
+            float(scaling if scaling is not None else head_dim**-0.5),
+        )
+        return out[None], None
+    if cross:
         # Cross-attention: K/V of the encoder output were written once per request (see
         # `ember.compiler.capture.capture_encoder_forward`); the HF module's own key/value
         # (of a 1-row placeholder) are ignored, nothing is written, every encoder row is seen.

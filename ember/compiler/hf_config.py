@@ -14,11 +14,13 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSeq2SeqLM,
     PretrainedConfig,
 )
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
     MODEL_MAPPING_NAMES,
 )
@@ -32,6 +34,11 @@ _AUTO_CLASSES: dict[str, Any] = {
     "encdec": AutoModelForSeq2SeqLM,
     "embed": AutoModel,
 }
+
+
+# Vision-language models ember serves (task "generate", images through cross-attention):
+# model_type -> what the model takes (`ModelSpec.multimodal`).
+MULTIMODAL_MODEL_TYPES = {"mllama": "image"}
 
 
 class UnsupportedModelError(ValueError):
@@ -59,14 +66,24 @@ class ModelSpec:
     head_dim: int
     # The checkpoint is this GGUF file (in `model_dir`), not an HF directory.
     gguf_file: str | None = None
+    # A vision-language model (`MllamaForConditionalGeneration`): its model_type. Its images
+    # reach the language model through cross-attention layers (`ember.runtime.multimodal`).
+    multimodal: str | None = None
 
     @property
     def auto_class(self) -> Any:
+        if self.multimodal is not None:
+            return AutoModelForImageTextToText
         return _AUTO_CLASSES[self.task]
+
+    @property
+    def text_config(self) -> PretrainedConfig:
+        """The language model's config (the whole config for text-only models)."""
+        return self.hf_config.get_text_config()
 
     def attention_features(self, kv_dtype: torch.dtype) -> AttentionFeatures:
         """What the model's attention layers need from a backend."""
-        config = self.hf_config
+        config = self.text_config
         layer_types = getattr(config, "layer_types", None) or ()
         window = getattr(config, "sliding_window", None)
         sliding = "sliding_attention" in layer_types or bool(
@@ -77,7 +94,7 @@ class ModelSpec:
             sliding_window=sliding,
             softcap=bool(getattr(config, "attn_logit_softcapping", None)),
             bidirectional=self.task in ("embed", "encdec"),
-            cross_attention=self.task == "encdec",
+            cross_attention=self.task == "encdec" or self.multimodal is not None,
             kv_sharing=bool(getattr(config, "num_kv_shared_layers", 0)),
         )
 
@@ -98,18 +115,20 @@ def read_model_spec(model_dir: str) -> ModelSpec:
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
-    num_layers, num_kv_heads, head_dim = kv_geometry(config)
+    text = config.get_text_config()
+    num_layers, num_kv_heads, head_dim = kv_geometry(text)
     return ModelSpec(
         model_dir=model_dir,
         hf_config=config,
         task=model_task(config),
         architecture=(getattr(config, "architectures", None) or [config.model_type])[0],
         checkpoint_dtype=dtype if isinstance(dtype, torch.dtype) else None,
-        max_positions=getattr(config, "max_position_embeddings", None) or 1 << 16,
+        max_positions=getattr(text, "max_position_embeddings", None) or 1 << 16,
         num_kv_layers=num_layers,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         gguf_file=gguf_file,
+        multimodal=config.model_type if config.model_type in MULTIMODAL_MODEL_TYPES else None,
     )
 
 
@@ -203,6 +222,15 @@ def model_task(config: PretrainedConfig) -> str:
     causal_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
     base_name = MODEL_MAPPING_NAMES.get(config.model_type)
     seq2seq_name = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    vlm_name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type)
+    if config.model_type in MULTIMODAL_MODEL_TYPES and declared and vlm_name in declared:
+        model_cls = AutoModelForImageTextToText._model_mapping[type(config)]
+        if "ALL_ATTENTION_FUNCTIONS" not in vars(sys.modules[model_cls.__module__]):
+            raise UnsupportedModelError(
+                f"architecture {arch!r} does not route attention through transformers' "
+                "attention interface, so ember cannot capture it"
+            )
+        return "generate"
     if getattr(config, "is_encoder_decoder", False):
         if seq2seq_name is None or (declared and seq2seq_name not in declared):
             raise UnsupportedModelError(

@@ -107,11 +107,15 @@ def load_model(
         # the mapped file), never from an fp32 copy of the whole model.
         load_dtype = spec.checkpoint_dtype
         narrow = load_dtype != dtype
+    attn: str | dict[str, str] = register_attention(backend, cpu_isa)
+    if spec.multimodal is not None:
+        # The vision tower attends within each image, unpaged: transformers' SDPA, as in HF.
+        attn = {"": attn, "text_config": attn, "vision_config": "sdpa"}
     try:
         model = spec.auto_class.from_pretrained(
             spec.model_dir,
             dtype=load_dtype,
-            attn_implementation=register_attention(backend, cpu_isa),
+            attn_implementation=attn,
             local_files_only=True,
             use_safetensors=True if load_format == "safetensors" else None,
             trust_remote_code=False,
@@ -121,6 +125,8 @@ def load_model(
     model.eval().requires_grad_(False)
     if spec.task == "encdec":
         _prepare_encoder_decoder(model)
+    if spec.multimodal is not None:
+        _prepare_cross_attention_lm(model)
     layers = token_slots = None
     if lora is not None:  # before narrowing, which then reaches the wrapped base linears too
         layers, token_slots = install_lora(model, lora.max_loras, lora.max_rank, lora.max_tokens)
@@ -340,6 +346,17 @@ def _prepare_encoder_decoder(model: PreTrainedModel) -> None:
         if cross is None:
             raise UnsupportedModelError(f"{arch}: decoder layers have no `encoder_attn`")
         cross._ember_cross_attention = True
+
+
+def _prepare_cross_attention_lm(model: PreTrainedModel) -> None:
+    """Mark the cross-attention modules of a vision-language model (Mllama): each text token
+    attends a range of its sequence's image tokens (`ember::cross_attention_ranges`)."""
+    lm = model.get_decoder()
+    layers = getattr(lm, "cross_attention_layers", None)
+    if not layers:
+        raise UnsupportedModelError(f"{type(model).__name__}: no cross-attention layers")
+    for idx in layers:
+        lm.layers[idx].cross_attn._ember_cross_attention = "ranges"
 
 
 def embed_with_positions(

@@ -4,13 +4,16 @@ latter from the former (`build_forward_batch`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ember.attention.metadata import NULL_BLOCK, AttentionMetadata, build_attention_metadata
 from ember.runtime.logits import LogitsControls
+from ember.runtime.multimodal import ImageInputs
 from ember.runtime.request import SamplingParams
 from ember.runtime.structured import GrammarState
 
@@ -41,6 +44,10 @@ class ScheduledRequest:
     encoder_token_ids: tuple[int, ...] = ()
     cross_block_ids: Sequence[int] = ()
     num_encoder_tokens: int = 0
+    # Vision-language models: the request's images (their ranges, every step) and whether this
+    # step runs them through the vision tower (the step that admits the request).
+    images: ImageInputs | None = None
+    encode_images: bool = False
     lora_id: int | None = None
     pool: bool = False
     controls: LogitsControls | None = None  # the request's logits controls, if any
@@ -135,11 +142,14 @@ def build_forward_batch(
     num_seqs_padded: int,
     max_cross_blocks: int = 0,
     lora_slot_of: dict[int, int] | None = None,
+    cross_ranges: bool = False,
 ) -> ForwardBatch:
     """Lay the plan's requests end to end in one token stream, padded to the given sizes.
 
     `max_cross_blocks` > 0: a decoder step of an encoder-decoder model, with each request's
     cross context. `lora_slot_of` (lora id -> resident slot): give the batch per-token slots.
+    `cross_ranges`: a vision-language model's step, with each token's range of its request's
+    image tokens and its row mask (`ember.runtime.multimodal`).
     """
     reqs = plan.requests
     num_new = [r.num_new_tokens for r in reqs]
@@ -160,6 +170,8 @@ def build_forward_batch(
         num_seqs_padded=num_seqs_padded,
         **cross,
     )
+    if cross_ranges:
+        meta = _with_cross_ranges(meta, reqs, num_tokens_padded)
     input_ids = torch.zeros(num_tokens_padded, dtype=torch.long)
     input_ids[: plan.num_tokens] = torch.tensor(
         [t for r in reqs for t in r.token_ids], dtype=torch.long
@@ -190,6 +202,34 @@ def build_forward_batch(
             dtype=torch.long,
         )
     return ForwardBatch(input_ids, positions, meta, logits_indices, lora_slots, tuple(prompt_rows))
+
+
+def _with_cross_ranges(
+    meta: AttentionMetadata, reqs: Sequence[ScheduledRequest], num_tokens_padded: int
+) -> AttentionMetadata:
+    """`meta` with `cross_token_ranges` and `cross_row_mask` of the step's tokens: text-only
+    requests and padding get an empty range and row mask 0 (cross-attention layers leave
+    them unchanged)."""
+    ranges = np.zeros((num_tokens_padded, 2), dtype=np.int32)
+    row_mask = np.zeros(num_tokens_padded, dtype=np.float32)
+    start = 0
+    for r in reqs:
+        n = r.num_new_tokens
+        if r.images is not None:
+            lo, hi, attends = r.images.ranges(r.num_computed_tokens, n)
+            ranges[start : start + n, 0], ranges[start : start + n, 1] = lo, hi
+            row_mask[start : start + n] = attends
+        start += n
+    return dataclasses.replace(
+        meta,
+        cross_token_ranges=torch.from_numpy(ranges),
+        cross_row_mask=torch.from_numpy(row_mask),
+    )
+
+
+def vision_plan(plan: StepPlan) -> list[ScheduledRequest]:
+    """The requests of `plan` whose images the vision tower runs this step."""
+    return [r for r in plan.requests if r.encode_images and r.images is not None]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -121,6 +122,13 @@ class EngineArgs:
         ),
     )
 
+    limit_mm_per_prompt: dict[str, int] | None = field(
+        default=None,
+        metadata=_help(
+            'most multimodal items per prompt, as JSON (vision-language models): {"image": N};'
+            ' default {"image": 4}'
+        ),
+    )
     revision: str | None = field(
         default=None,
         metadata=_help("hub revision (branch, tag or commit) when model is a hub id"),
@@ -186,6 +194,7 @@ class EngineArgs:
         run_dtype = compute_dtype(weight_dtype, self.cpu_isa)
         backend = select_backend(self.attention_backend, spec.attention_features(run_dtype))
         buckets = tuple(b for b in self.token_buckets if b <= self.max_num_batched_tokens)
+        limit_mm = _limit_mm(self.limit_mm_per_prompt, spec)
         return EngineConfig(
             model=self.model,
             model_spec=spec,
@@ -210,6 +219,7 @@ class EngineArgs:
             max_lora_rank=self.max_lora_rank,
             load_format=self.load_format,
             generation_config=self.generation_config,
+            limit_mm_per_prompt=limit_mm,
         )
 
     @staticmethod
@@ -224,6 +234,8 @@ class EngineArgs:
                 kwargs.update(default=None, help="local HF checkpoint dir, GGUF file or hub id")
             elif f.default is True or f.default is False:
                 kwargs["action"] = argparse.BooleanOptionalAction
+            elif f.name == "limit_mm_per_prompt":
+                kwargs["type"] = json.loads
             elif f.name == "token_buckets":
                 kwargs["type"] = lambda s: tuple(int(x) for x in s.split(","))
             elif isinstance(f.default, float):
@@ -244,6 +256,30 @@ class EngineArgs:
         }
         values.update(overrides)
         return EngineArgs(**values)
+
+
+# Images per prompt of a vision-language model unless `limit_mm_per_prompt` says otherwise
+# (it sizes each step's cross block tables).
+DEFAULT_IMAGES_PER_PROMPT = 4
+
+
+def _limit_mm(limit: dict[str, int] | None, spec: ModelSpec) -> dict[str, int]:
+    """The checked `limit_mm_per_prompt` ({} for a model that takes no images)."""
+    if spec.multimodal is None:
+        if limit:
+            raise ValueError(
+                f"limit_mm_per_prompt={limit!r}: model {spec.architecture!r} takes no "
+                "multimodal inputs"
+            )
+        return {}
+    limit = {"image": DEFAULT_IMAGES_PER_PROMPT} if limit is None else limit
+    if not isinstance(limit, dict) or set(limit) - {"image"}:
+        raise ValueError(
+            f'limit_mm_per_prompt must be a dict like {{"image": 2}} (this model takes '
+            f"images), got {limit!r}"
+        )
+    _check_int("limit_mm_per_prompt['image']", limit.get("image", 0), 0, 64)
+    return dict(limit)
 
 
 def _check_int(name: str, value: int, low: int, high: int) -> None:
@@ -330,6 +366,7 @@ class EngineConfig:
     cpu_isa: str
     load_format: str = "safetensors"
     generation_config: str = "auto"
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_range("kv_cache_gib", self.kv_cache_gib, 1e-6, 1024)
@@ -365,6 +402,11 @@ class EngineConfig:
         _check_int("max_lora_rank", self.max_lora_rank, 1, 512)
         if self.enable_lora and self.task != "generate":
             raise ValueError(f"enable_lora=True needs a decoder-only LM; this model is {self.task}")
+        if self.model_spec.multimodal is not None and (self.enable_lora or self.quantization):
+            raise ValueError(
+                f"{self.model_spec.architecture} (a vision-language model) runs without "
+                "enable_lora and quantization"
+            )
         if self.enable_lora and self.freeze_weights:
             raise ValueError(
                 "enable_lora=True cannot be combined with freeze_weights=True: adapter slots "

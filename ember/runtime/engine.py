@@ -25,6 +25,7 @@ from ember.runtime.block_manager import BlockManager
 from ember.runtime.config import EngineConfig, KVCacheSpec
 from ember.runtime.logits import resolve as resolve_controls
 from ember.runtime.model_runner import ModelRunner
+from ember.runtime.multimodal import ImageInputs, as_image_list, build_image_inputs, is_image
 from ember.runtime.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -56,6 +57,14 @@ class _ParentState:
 
     def __post_init__(self) -> None:
         self.sent = [(0, 0)] * len(self.children)
+
+
+def _check_image_count(num_tokens: int, processor: Any, images: list[Any]) -> None:
+    if num_tokens != len(images):
+        raise ValueError(
+            f"the prompt has {num_tokens} image tokens ({processor.image_token!r}, id "
+            f"{processor.image_token_id}) for {len(images)} images; they must be equal"
+        )
 
 
 def _child_id(request_id: str, index: int, n: int) -> str:
@@ -98,7 +107,14 @@ class LLMEngine:
         self.model_config = loaded.spec.hf_config
         model = loaded.model
         embed = model.get_input_embeddings()  # type: ignore[operator]
-        self.vocab_size = int(getattr(embed, "num_embeddings", None) or embed.weight.shape[0])  # type: ignore[index]
+        # Prompt ids index the input embeddings; sampled ids the logits, which can be narrower
+        # (Mllama's embeddings have 8 rows past its vocabulary: its <|image|> token among them).
+        self.num_input_ids = int(getattr(embed, "num_embeddings", None) or embed.weight.shape[0])  # type: ignore[index]
+        self.vocab_size = min(
+            self.num_input_ids,
+            getattr(loaded.spec.text_config, "vocab_size", None) or self.num_input_ids,
+        )
+        self._processor: Any = None  # a vision-language model's HF processor, on first use
         self.eos_token_id, self.other_eos_ids = _eos_ids(model, self.tokenizer)
         # Every id that ends a request as EOS (masked by min_tokens, allowed at a grammar's end).
         self._all_eos_ids = sorted(
@@ -235,9 +251,11 @@ class LLMEngine:
         """`what` ("prompt", "prompt 3", ...) must be non-empty ids in the vocabulary."""
         if not token_ids:
             raise ValueError(f"{what} is empty: it must have at least 1 token")
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.num_input_ids]
         if bad:
-            raise ValueError(f"{what} token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+            raise ValueError(
+                f"{what} token ids must be in [0, {self.num_input_ids}); got {bad[:5]}"
+            )
 
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if len(token_ids) >= self.config.max_model_len:
@@ -283,8 +301,17 @@ class LLMEngine:
             raise ValueError(
                 f"model {self.config.model!r} ({arch}) is an embedding model: use LLM.embed"
             )
-        encoder_ids = None
-        if self.config.task == "encdec":
+        encoder_ids = images = None
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if mm_data is not None:
+            text, token_ids, images = self._process_images(prompt, mm_data)  # type: ignore[arg-type]
+            token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
+            if len(token_ids) != len(images.starts):
+                raise ValueError(
+                    "truncate_prompt_tokens cannot cut a prompt with images (it would cut the "
+                    "images' place in the prompt)"
+                )
+        elif self.config.task == "encdec":
             text, token_ids, encoder_ids = self._tokenize_encoder_decoder(
                 prompt, params.truncate_prompt_tokens
             )
@@ -311,6 +338,7 @@ class LLMEngine:
                 max_tokens,
                 torch.Generator().manual_seed(base_seed + i),
                 encoder_token_ids=encoder_ids,
+                images=images,
                 lora_id=lora_id,
                 lora_generation=lora_generation,
                 detokenizer=IncrementalDetokenizer(
@@ -323,6 +351,90 @@ class LLMEngine:
             for i in range(params.n)
         ]
         self._add_parent(_ParentState(request_id, text, token_ids, params, children))
+
+    def _process_images(
+        self, prompt: dict[str, Any], mm_data: Any
+    ) -> tuple[str | None, list[int], ImageInputs]:
+        """(prompt text, prompt ids, images) of a prompt with `multi_modal_data`: a text prompt
+        goes through the checkpoint's HF processor (which also places the BOS token as HF
+        does), a token-id prompt's images through its image processor."""
+        spec = self.config.model_spec
+        if spec.multimodal is None:
+            raise ValueError(
+                f"multi_modal_data: model {self.config.model!r} ({spec.architecture}) takes "
+                "no images or other multimodal inputs"
+            )
+        if not isinstance(mm_data, dict) or not mm_data or set(mm_data) - {"image"}:
+            raise ValueError(
+                f'multi_modal_data must be {{"image": image or list of images}} for this model, '
+                f"got {mm_data!r:.100}"
+            )
+        pictures = as_image_list(mm_data["image"])
+        for picture in pictures:
+            if not is_image(picture):
+                raise ValueError(
+                    "multi_modal_data['image'] takes PIL images (or HWC/CHW arrays and "
+                    f"tensors), got {type(picture).__name__}"
+                )
+        limit = self.config.limit_mm_per_prompt.get("image", 0)
+        if not 1 <= len(pictures) <= limit:
+            raise ValueError(
+                f"multi_modal_data has {len(pictures)} images; a prompt takes 1 to "
+                f"limit_mm_per_prompt['image']={limit}"
+            )
+        processor = self._image_processor()
+        geometry = self.runner.vision_geometry
+        assert geometry is not None
+        try:
+            if "prompt_token_ids" in prompt:
+                text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                features = processor.image_processor(images=[pictures], return_tensors="np")
+            else:
+                text = prompt.get("prompt")
+                if not isinstance(text, str):
+                    raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                _check_image_count(text.count(processor.image_token), processor, pictures)
+                features = processor(images=[pictures], text=[text], return_tensors="np")
+                token_ids = [int(t) for t in features["input_ids"][0]]
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001  (PIL and the processor raise their own types)
+            raise ValueError(
+                f"multi_modal_data: the image processor failed: {type(e).__name__}: {e}"
+            ) from e
+        image_token = processor.image_token_id
+        _check_image_count(sum(1 for t in token_ids if t == image_token), processor, pictures)
+        if features["pixel_values"].shape[2] != geometry.tiles:
+            raise ValueError(
+                f"the image processor makes {features['pixel_values'].shape[2]} tiles per image, "
+                f"the model's vision tower takes {geometry.tiles}"
+            )
+        return text, token_ids, build_image_inputs(token_ids, image_token, features, geometry)
+
+    def image_token(self) -> str | None:
+        """The prompt text that stands for one image (`<|image|>`), or None for a model that
+        takes no images."""
+        if self.config.model_spec.multimodal is None:
+            return None
+        return str(self._image_processor().image_token)
+
+    def _image_processor(self) -> Any:
+        """The checkpoint's HF processor (tokenizer + image processor), loaded on first use."""
+        if self._processor is None:
+            from transformers import AutoProcessor  # noqa: PLC0415
+
+            try:
+                self._processor = AutoProcessor.from_pretrained(
+                    self.config.model_spec.model_dir,
+                    local_files_only=True,
+                    trust_remote_code=False,
+                )
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(
+                    f"model {self.config.model!r} has no usable image processor "
+                    f"(processor_config.json / preprocessor_config.json): {e}"
+                ) from e
+        return self._processor
 
     def _grammars(self) -> GrammarCompiler:
         """The structured-output grammar compiler, made on first use (xgrammar's tokenizer
@@ -441,6 +553,8 @@ class LLMEngine:
             )
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            raise ValueError(f"prompt {index}: LLM.embed takes no multi_modal_data")
         text, ids = self.tokenize(prompt)
         limit = min(self.config.max_model_len, self.config.max_num_batched_tokens)
         if len(ids) > limit:

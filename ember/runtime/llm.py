@@ -145,12 +145,21 @@ class LLM:
         for templates that expect strings (`chat_template_content_format="auto"` or
         "string"), or passed as they are ("openai"). Raises ValueError when the model has no
         chat template and none is given.
+
+        Vision-language models take image parts too, as vLLM does: `{"type": "image_pil",
+        "image_pil": PIL.Image}`, `{"type": "image", "image": PIL.Image}` or `{"type":
+        "image_url", "image_url": {"url": "data:image/...;base64,..."}}` (data URLs only:
+        nothing is downloaded). With string content each message's images become the model's
+        image token placed before its text (vLLM's placement); with "openai" content they
+        become `{"type": "image"}` parts for the template to place.
         """
         conversations = _conversations(messages)
+        image_token = self.llm_engine.image_token()
         prompts = [
             render_chat(
                 self.get_tokenizer(), conv, chat_template, chat_template_content_format,
                 add_generation_prompt, continue_final_message, tools, chat_template_kwargs,
+                image_token,
             )
             for conv in conversations
         ]  # fmt: skip
@@ -269,10 +278,13 @@ def render_chat(
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
     kwargs: dict[str, Any] | None = None,
+    image_token: str | None = None,
 ) -> dict[str, Any]:
-    """One conversation as a prompt dict (`prompt` text and `prompt_token_ids`): the chat
-    template applied by the tokenizer, encoded without added special tokens (as vLLM does).
-    Raises ValueError for a model without a template (and none given) or bad options."""
+    """One conversation as a prompt dict (`prompt` text and `prompt_token_ids`, plus
+    `multi_modal_data` when it has images): the chat template applied by the tokenizer,
+    encoded without added special tokens (as vLLM does). `image_token`: the model's image
+    placeholder (vision-language models; None: image parts are a ValueError). Raises
+    ValueError for a model without a template (and none given) or bad options."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; this model has none")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
@@ -285,8 +297,10 @@ def render_chat(
         raise ValueError(
             f"chat_template_content_format must be auto, string or openai, got {content_format!r}"
         )
+    images: list[Any] = []
+    conversation = [_take_images(m, images, image_token) for m in conversation]
     if content_format != "openai":
-        conversation = [_string_content(m) for m in conversation]
+        conversation = [_string_content(m, image_token) for m in conversation]
     text = tokenizer.apply_chat_template(
         conversation,
         chat_template=chat_template,
@@ -297,7 +311,59 @@ def render_chat(
         **(kwargs or {}),
     )
     ids = tokenizer.encode(text, add_special_tokens=False)
-    return {"prompt": text, "prompt_token_ids": list(ids)}
+    prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": list(ids)}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
+    return prompt
+
+
+_IMAGE_PARTS = ("image", "image_pil", "image_url")
+
+
+def _take_images(
+    message: dict[str, Any], images: list[Any], image_token: str | None
+) -> dict[str, Any]:
+    """`message` with each image part replaced by `{"type": "image"}`, its image appended to
+    `images` (decoded from a data URL where given as one)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _IMAGE_PARTS:
+            parts.append(part)
+            continue
+        if image_token is None:
+            raise ValueError(f"chat content part of type {kind!r}: this model takes no images")
+        value = part.get(kind)
+        if kind == "image_url":
+            url = value.get("url") if isinstance(value, dict) else value
+            value = _data_url_image(url)
+        images.append(value)
+        parts.append({"type": "image"})
+    return {**message, "content": parts}
+
+
+def _data_url_image(url: Any) -> Any:
+    """The PIL image of a `data:image/...;base64,` URL (other URLs: ValueError)."""
+    import base64  # noqa: PLC0415
+    import binascii  # noqa: PLC0415
+    import io  # noqa: PLC0415
+
+    if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
+        raise ValueError(
+            "image_url must be a data:image/...;base64 URL (ember fetches nothing), got "
+            f"{str(url)[:60]!r}"
+        )
+    try:
+        from PIL import Image  # noqa: PLC0415
+
+        image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1], validate=True)))
+        image.load()
+        return image
+    except (binascii.Error, OSError, ValueError) as e:
+        raise ValueError(f"image_url: not a readable base64 image: {e}") from e
 
 
 def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
@@ -314,20 +380,26 @@ def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
     return [list(c) for c in conversations]
 
 
-def _string_content(message: dict[str, Any]) -> dict[str, Any]:
-    """`message` with list-of-parts content joined into one string (text parts only)."""
+def _string_content(message: dict[str, Any], image_token: str | None = None) -> dict[str, Any]:
+    """`message` with list-of-parts content joined into one string: its image placeholders
+    (`{"type": "image"}` parts, see `_take_images`) first, then the text parts, joined with
+    newlines (vLLM's placement for string templates)."""
     content = message.get("content")
     if not isinstance(content, list):
         return message
-    texts = []
+    texts, placeholders = [], []
     for part in content:
         if isinstance(part, str):
             texts.append(part)
         elif isinstance(part, dict) and part.get("type") == "text":
             texts.append(str(part.get("text", "")))
+        elif isinstance(part, dict) and part.get("type") == "image" and image_token is not None:
+            placeholders.append(image_token)
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"chat content part of type {kind!r} is not supported (text only)")
+    if placeholders:
+        texts = [*placeholders, *texts]
     return {**message, "content": "\n".join(texts)}
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import gc
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from ember.attention import get_backend
+from ember.attention.metadata import NULL_BLOCK
 from ember.compiler import cache
 from ember.compiler.capture import CompiledForward, Forward, build_forwards
 from ember.compiler.inductor import compile_settings
@@ -22,14 +24,17 @@ from ember.lora.manager import LoRAManager
 from ember.runtime.batch import (
     ForwardBatch,
     RunnerOutput,
+    ScheduledRequest,
     StepPlan,
     build_forward_batch,
     encoder_plan,
+    vision_plan,
     warmup_plan,
 )
 from ember.runtime.buckets import graph_sizes, padded_num_seqs, padded_num_tokens
 from ember.runtime.config import EngineConfig
 from ember.runtime.logits import apply_controls
+from ember.runtime.multimodal import ImageInputs, VisionGeometry
 from ember.runtime.pooling import PoolingConfig, pool
 from ember.runtime.sampler import non_finite_rows, prompt_logprobs, sample
 from ember.runtime.structured import apply_bitmask, fill_bitmasks
@@ -65,11 +70,19 @@ class ModelRunner:
         self.forwards = build_forwards(
             loaded, self.kv_caches, config.compile, self.buckets, config.freeze_weights
         )
-        # An encoder-decoder step carries each request's cross context.
+        # An encoder-decoder step carries each request's cross context; a vision-language
+        # step each request's image K/V and each token's range of them.
         self.max_cross_blocks = 0
+        self.cross_ranges = loaded.spec.multimodal is not None
         if config.task == "encdec":
             max_source = loaded.spec.max_positions
             self.max_cross_blocks = -(-max_source // config.block_size)
+        self.vision_geometry: VisionGeometry | None = None
+        if self.cross_ranges:
+            self.vision_geometry = VisionGeometry.of(loaded.spec.hf_config)
+            max_images = config.limit_mm_per_prompt.get("image", 0)
+            tokens = max(max_images, 1) * self.vision_geometry.tokens_per_image
+            self.max_cross_blocks = -(-tokens // config.block_size)
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:
@@ -104,6 +117,9 @@ class ModelRunner:
             encoder = encoder_plan(plan)
             if encoder.requests:
                 self._forward(encoder, self.forwards.encoder, self.max_cross_blocks, cross=False)
+        if self.forwards.vision is not None:
+            for r in vision_plan(plan):
+                self._encode_images(r)
         pooled: dict[str, list[float]] = {}
         embeds = plan.select(pool=True)
         if embeds.requests:
@@ -118,8 +134,11 @@ class ModelRunner:
         generate = plan.select(pool=False)
         if not generate.requests:
             return RunnerOutput({}, {}, pooled)
-        batch = self._batch(generate, self.forwards.step, self.config.max_blocks_per_seq)
-        logits = self._run(batch, self.forwards.step)
+        step = self.forwards.step
+        if self.forwards.text is not None and not any(r.images for r in generate.requests):
+            step = self.forwards.text  # no token attends an image: cross layers skipped
+        batch = self._batch(generate, step, self.config.max_blocks_per_seq)
+        logits = self._run(batch, step)
         prompt_lps = {}
         if batch.prompt_rows:
             prompt_lps = prompt_logprobs(logits, generate.requests, batch.prompt_rows)
@@ -171,6 +190,25 @@ class ModelRunner:
         sampled = {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
         return RunnerOutput(sampled, logprobs, pooled, errors, prompt_lps)
 
+    def _encode_images(self, request: ScheduledRequest) -> None:
+        """Run the vision tower over each of `request`'s images (one graph call per image),
+        writing their cross-attention K/V into the request's cross blocks."""
+        images = request.images
+        assert images is not None and self.forwards.vision is not None
+        for i in range(images.num_images):
+            slots = images.slots(i, request.cross_block_ids, self.config.block_size)
+            with torch.profiler.record_function("ember::vision"):
+                self.forwards.vision(*self._vision_args(images, i, slots))
+
+    def _vision_args(self, images: ImageInputs, i: int, slots: torch.Tensor) -> tuple:
+        return (
+            images.pixel_values[i : i + 1][None].to(self.config.dtype),
+            images.aspect_ratio_ids[i : i + 1][None],
+            images.aspect_ratio_mask[i : i + 1][None],
+            slots,
+            self.kv_caches,
+        )
+
     def _forward(
         self, plan: StepPlan, forward: Forward, max_blocks: int, cross: bool = True
     ) -> torch.Tensor:
@@ -196,6 +234,7 @@ class ModelRunner:
             padded_num_seqs(plan.num_seqs),
             self.max_cross_blocks if cross else 0,
             slot_of,
+            cross_ranges=cross and self.cross_ranges,
         )
 
     def _run(self, batch: ForwardBatch, forward: Forward) -> torch.Tensor:
@@ -215,6 +254,32 @@ class ModelRunner:
         )
 
     # ---- warm-up -----------------------------------------------------------------------------
+    def _warmup_image(self) -> tuple[ImageInputs, int, torch.Tensor]:
+        """A blank one-tile image whose K/V go to the null block (real requests never read
+        it)."""
+        g = self.vision_geometry
+        assert g is not None
+        config = self.loaded.spec.hf_config.vision_config
+        size = config.image_size
+        mask = torch.zeros(1, g.tiles, dtype=torch.long)
+        mask[0, 0] = 1
+        empty = np.zeros(1, dtype=np.int32)
+        images = ImageInputs(
+            pixel_values=torch.zeros(1, g.tiles, config.num_channels, size, size),
+            aspect_ratio_ids=torch.ones(1, dtype=torch.long),
+            aspect_ratio_mask=mask,
+            num_tiles=(1,),
+            geometry=g,
+            starts=empty,
+            ends=empty,
+            attends=empty.astype(bool),
+            digest=b"",
+        )
+        slots = NULL_BLOCK * self.config.block_size + (
+            torch.arange(g.tokens_per_image) % self.config.block_size
+        )
+        return images, 0, slots
+
     @torch.inference_mode()
     def warmup(self, show_progress: bool = True) -> bool:
         """Compile (or load) every graph now, so no request ever waits on a compile.
@@ -249,6 +314,16 @@ class ModelRunner:
                 dynamic_ncols=True,
             ):
                 for name, forward in compiled:
+                    if name == "vision":
+                        if num_tokens != self.graph_sizes[0]:
+                            continue  # one graph (one image), compiled once
+                        path = None
+                        if cache_dir is not None:
+                            path = cache.graph_file(cache_dir, parts, "vision-static")
+                        args = self._vision_args(*self._warmup_image())
+                        forward.prepare(args, path)
+                        forward(*args)
+                        continue
                     if name == "encoder":  # encoder inputs within the encoder's positions
                         plan = warmup_plan(num_tokens, self.loaded.spec.max_positions, bs)
                         batch = self._batch(plan, forward, self.max_cross_blocks, cross=False)

@@ -15,6 +15,7 @@ from ember.runtime.structured import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from ember.runtime.logits import LogitsControls
+    from ember.runtime.multimodal import ImageInputs
     from ember.runtime.structured import GrammarState
 
 
@@ -249,6 +250,9 @@ class Request:
     # Encoder-decoder models: the encoder input, run once per admission; its cross-attention
     # K/V live in blocks of their own. Prefix-cache keys of the decoder tokens include it.
     encoder_token_ids: list[int] | None = None
+    # Vision-language models: the request's images (run through the vision tower once per
+    # admission; their K/V live in the request's cross blocks too).
+    images: ImageInputs | None = None
     lora_id: int | None = None
     lora_generation: int = 0  # LoRAManager.generation of the adapter: part of the cache salt
     pool: bool = False
@@ -271,10 +275,19 @@ class Request:
         if self.encoder_token_ids is not None:
             ids = ",".join(map(str, self.encoder_token_ids)).encode()
             self.cache_salt = hashlib.sha256(b"encoder:" + ids).digest()
+        if self.images is not None:  # every token's K/V depends on the images
+            self.cache_salt = hashlib.sha256(b"images:" + self.images.digest).digest()
         if self.lora_id is not None:  # two adapters (or two loads of one id) never share KV
             self.cache_salt = hashlib.sha256(
                 self.cache_salt + f"lora:{self.lora_id}:{self.lora_generation}".encode()
             ).digest()
+
+    @property
+    def num_encoder_tokens(self) -> int:
+        """Rows of the request's cross-attention K/V (encoder input or image tokens), or 0."""
+        if self.encoder_token_ids is not None:
+            return len(self.encoder_token_ids)
+        return self.images.num_tokens if self.images is not None else 0
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -8,7 +8,8 @@ running request not yet scheduled this step is preempted and later recomputed.
 
 Embedding requests (`Request.pool`) run whole in one step (bidirectional attention cannot be
 chunked) and finish in it. The encoder inputs of encoder-decoder requests admitted in one step
-share one encoder pass of at most `max_num_batched_tokens` tokens (a longer one runs alone).
+share one encoder pass of at most `max_num_batched_tokens` tokens (a longer one runs alone);
+so do the images of vision-language requests (counted in image tokens).
 
 `update` is the only place that decides a request has finished: EOS, stop ids, length, stop
 strings (found by the request's incremental detokenizer), or an error of its own (NaN/inf
@@ -58,12 +59,11 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         bs = self.block_manager.block_size
-        max_blocks = -(-self.max_model_len // bs)
-        if request.encoder_token_ids is not None:
-            max_blocks += -(-len(request.encoder_token_ids) // bs)
+        max_blocks = -(-self.max_model_len // bs) + -(-request.num_encoder_tokens // bs)
         if max_blocks > self.block_manager.num_usable_blocks:
             raise ValueError(
-                "the KV cache is smaller than one max_model_len sequence (plus its encoder input)"
+                "the KV cache is smaller than one max_model_len sequence (plus its encoder "
+                "input or images)"
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -88,7 +88,7 @@ class Scheduler:
 
     def _free_blocks(self, request: Request, keep_hashes: bool = False) -> None:
         self.block_manager.free(request.request_id, keep_hashes=keep_hashes)
-        if request.encoder_token_ids is not None:
+        if request.num_encoder_tokens:
             self.block_manager.free(cross_key(request.request_id))
 
     def has_unfinished_requests(self) -> bool:
@@ -183,12 +183,14 @@ class Scheduler:
             if request.pool and request.num_tokens > budget:
                 break  # embeddings run whole: wait for a step with room
             rid, tokens, salt = request.request_id, request.all_token_ids, request.cache_salt
-            enc = request.encoder_token_ids
-            if enc is not None and num_encoder_tokens + len(enc) > self.max_num_batched_tokens:
+            num_enc = request.num_encoder_tokens
+            if num_enc and num_encoder_tokens + num_enc > self.max_num_batched_tokens:
                 if num_encoder_tokens:
                     break  # the next step's encoder pass
-            if enc is not None and (
-                self.block_manager.allocate(cross_key(rid), enc, len(enc), extra=rid.encode())
+            # Cross blocks are the request's own (salted with its id: never a prefix hit).
+            enc = request.encoder_token_ids or [0] * num_enc
+            if num_enc and (
+                self.block_manager.allocate(cross_key(rid), enc, num_enc, extra=rid.encode())
                 is None
             ):
                 break
@@ -199,7 +201,7 @@ class Scheduler:
             num_hit = len(hits) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_hit, budget)
             if self.block_manager.allocate(rid, tokens, num_hit + num_new, hits, salt) is None:
-                if enc is not None:
+                if num_enc:
                     self.block_manager.free(cross_key(rid))
                 break
             self.waiting.popleft()
@@ -210,7 +212,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
-            num_encoder_tokens += len(enc) if enc is not None else 0
+            num_encoder_tokens += num_enc
             if request.lora_id is not None:
                 loras.add(request.lora_id)
         return budget
@@ -219,11 +221,13 @@ class Scheduler:
         start = request.num_computed_tokens
         enc = request.encoder_token_ids
         cross: dict[str, Any] = {}
-        if enc is not None:
+        if request.num_encoder_tokens:
             cross = dict(
-                encoder_token_ids=tuple(enc) if admitted else (),
+                encoder_token_ids=tuple(enc) if admitted and enc is not None else (),
                 cross_block_ids=self.block_manager.block_ids(cross_key(request.request_id)),
-                num_encoder_tokens=len(enc),
+                num_encoder_tokens=request.num_encoder_tokens,
+                images=request.images,
+                encode_images=admitted and request.images is not None,
             )
         ends = start + num_new == request.num_tokens
         # Views of the request's own lists, not copies: a step must not cost time that grows

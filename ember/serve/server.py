@@ -221,7 +221,7 @@ def build_app(
             prompt = render_chat(
                 tokenizer, body.messages, body.chat_template, "auto",
                 body.add_generation_prompt, body.continue_final_message, body.tools,
-                body.chat_template_kwargs,
+                body.chat_template_kwargs, engine.engine.image_token(),
             )  # fmt: skip
             max_tokens = body.max_completion_tokens or body.max_tokens
             params = body.sampling_params(defaults, max_tokens if max_tokens else None)

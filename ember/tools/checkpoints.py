@@ -175,3 +175,102 @@ def demo_model() -> str | None:
     target = os.path.join(user_cache_dir("models"), package.MODEL_NAME)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     return str(package.assemble(output_path=target))
+
+
+# Vision-language (Mllama) shapes: (tokenizer size, vision config, text config).
+MLLAMA_SHAPES: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
+    "tiny-mllama": (
+        400,
+        dict(
+            hidden_size=32,
+            attention_heads=2,
+            num_hidden_layers=2,
+            num_global_layers=1,
+            intermediate_size=64,
+            image_size=28,
+            patch_size=14,
+            intermediate_layers_indices=[0, 1],
+            vision_output_dim=96,
+        ),
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            cross_attention_layers=[1, 3],
+        ),
+    ),
+    # For benchmarks: 4 tiles of 65 patches (260 image tokens per image), a 512-wide LM.
+    "small-mllama": (
+        4096,
+        dict(
+            hidden_size=256,
+            attention_heads=4,
+            num_hidden_layers=4,
+            num_global_layers=2,
+            intermediate_size=1024,
+            image_size=112,
+            patch_size=14,
+            intermediate_layers_indices=[1, 3],
+            vision_output_dim=768,
+        ),
+        dict(
+            hidden_size=512,
+            intermediate_size=1376,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            cross_attention_layers=[3, 7],
+        ),
+    ),
+}
+
+
+def build_tiny_mllama(
+    path: str, seed: int = 0, dtype: torch.dtype = torch.float32, shape: str = "tiny-mllama"
+) -> str:
+    """A seeded random Llama 3.2 Vision (`MllamaForConditionalGeneration`) of `shape`
+    (`MLLAMA_SHAPES`) with its processor files (byte-level BPE tokenizer with `<|image|>`,
+    Pillow image processor, up to 4 tiles per image), laid out as the real checkpoint is:
+    `<|image|>` is the first id past the text vocabulary (an input-embedding row the LM head
+    has no logit for).
+
+    HF initialises the cross-attention gates to zero (tanh(0) = 0: images would change
+    nothing); they are drawn from [-1, 1] here, and weights with std 0.1, so that greedy
+    outputs depend on the images.
+    """
+    from transformers import MllamaConfig, MllamaForConditionalGeneration, MllamaProcessor
+    from transformers.models.mllama.image_processing_pil_mllama import (
+        MllamaImageProcessorPil,
+    )
+
+    vocab_size, vision_shape, text_shape = MLLAMA_SHAPES[shape]
+    tokenizer = build_tokenizer(vocab_size)
+    vocab = len(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|image|>", "<|python_tag|>"]})
+    vision = dict(vision_shape, max_num_tiles=4, initializer_range=0.1)
+    text = dict(
+        text_shape,
+        vocab_size=vocab,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+    )
+    config = MllamaConfig(vision_config=vision, text_config=text, image_token_index=vocab)
+    torch.manual_seed(seed)
+    model = MllamaForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_gate"):
+                param.uniform_(-1.0, 1.0)
+    os.makedirs(path, exist_ok=True)
+    model.to(dtype).save_pretrained(path, safe_serialization=True)
+    size = vision_shape["image_size"]
+    image_processor = MllamaImageProcessorPil(
+        size={"height": size, "width": size}, max_image_tiles=4
+    )
+    MllamaProcessor(image_processor, tokenizer).save_pretrained(path)
+    return path

@@ -51,6 +51,41 @@ def test_write_kv_cache_opcheck_and_reference():
     torch.library.opcheck(torch.ops.ember.write_kv_cache.default, (cache, key, value, slots))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_attention_ranges_opcheck_and_reference(dtype):
+    """Each token attends its own [start, end) of its sequence's paged cross K/V (GQA: 4 query
+    heads on 2 K/V heads); an empty range gives zeros. Against dense softmax attention per
+    token."""
+    register("ember::cross_attention_ranges")
+    g = torch.Generator().manual_seed(0)
+    block_size, heads, kv_heads, dim = 4, 4, 2, 8
+    cache = torch.randn(2, 12, block_size, kv_heads, dim, generator=g).to(dtype)
+    lens = [10, 0, 7, 0]  # the second sequence is text-only, the last one padding
+    tables = torch.tensor([[3, 5, 1, 0], [0, 0, 0, 0], [9, 2, 0, 0], [0, 0, 0, 0]])
+    qsl = torch.tensor([0, 3, 5, 6, 6], dtype=torch.int32)
+    ranges = torch.tensor([[0, 10], [4, 10], [2, 3], [0, 0], [0, 0], [1, 7]], dtype=torch.int32)
+    query = torch.randn(6, heads, dim, generator=g).to(dtype)
+    args = (query, cache, qsl, torch.tensor(lens, dtype=torch.int32), tables, ranges, 0.3)
+    out = torch.ops.ember.cross_attention_ranges(*args)
+    seq_of = [0, 0, 0, 1, 1, 2]
+    for t in range(6):
+        s, (lo, hi) = seq_of[t], ranges[t].tolist()
+        if lo == hi:
+            assert not out[t].any()
+            continue
+        rows = [
+            int(tables[s, j // block_size]) * block_size + j % block_size for j in range(lo, hi)
+        ]
+        k = cache[0].reshape(-1, kv_heads, dim)[rows].float().repeat_interleave(2, dim=1)
+        v = cache[1].reshape(-1, kv_heads, dim)[rows].float().repeat_interleave(2, dim=1)
+        p = torch.softmax(torch.einsum("hd,lhd->hl", query[t].float(), k) * 0.3, dim=-1)
+        want = torch.einsum("hl,lhd->hd", p, v)
+        torch.testing.assert_close(
+            out[t].float(), want, atol=1e-2 if dtype != torch.float32 else 1e-5, rtol=1e-2
+        )
+    torch.library.opcheck(torch.ops.ember.cross_attention_ranges.default, args)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 70])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_linear_matches_fp32_math_and_opcheck(rows, bias):
