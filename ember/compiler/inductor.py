@@ -5,10 +5,51 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 _CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+class DedupePureOps(CustomGraphPass):
+    """Post-grad pass: one node per (pure op, arguments), so the slices of a fused projection
+    (`ember.compiler.quant.FusedSlice`: q_proj, k_proj and v_proj each call the fused linear
+    on the same input) run one GEMV. Only ops that mutate nothing and draw no random numbers
+    are merged (AOTAutograd's own CSE runs for training graphs only)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        seen: dict[tuple[Any, ...], torch.fx.Node] = {}
+        for node in list(graph.nodes):
+            target = node.target
+            if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+                continue
+            if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
+                continue
+            try:
+                key = (target, _hashable(node.args), _hashable(node.kwargs))
+                hash(key)
+            except TypeError:
+                continue
+            if key in seen:
+                node.replace_all_uses_with(seen[key])
+                graph.erase_node(node)
+            else:
+                seen[key] = node
+
+    def uuid(self) -> Any:
+        return get_hash_for_files((__file__,))
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return (type(value).__name__, str(value))
+    return value
 
 
 @contextlib.contextmanager
@@ -25,6 +66,7 @@ def compile_settings(freezing: bool, inductor_cache_dir: str | None = None) -> I
     - no size, alignment or scalar asserts in the generated code: the runner builds every
       input itself, and a batch-1 llama-160m decode step ran 228 size asserts (0.13 ms of the
       step, cProfile).
+    - `DedupePureOps`: one call per pure op and arguments (the fused q/k/v and gate/up GEMVs).
     - `inductor_cache_dir`: where inductor keeps FX graphs and built C++ kernels while this
       context is open (torch reads it from the environment on every lookup); restored after.
     """
@@ -39,7 +81,11 @@ def compile_settings(freezing: bool, inductor_cache_dir: str | None = None) -> I
                 accumulated_cache_size_limit=256,
             ),
             torch._inductor.config.patch(
-                freezing=freezing, size_asserts=False, alignment_asserts=False, scalar_asserts=False
+                freezing=freezing,
+                size_asserts=False,
+                alignment_asserts=False,
+                scalar_asserts=False,
+                post_grad_custom_pre_pass=DedupePureOps(),
             ),
         ):
             yield

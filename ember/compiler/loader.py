@@ -5,7 +5,8 @@
 - encoder-decoder models: learned positions placed per token (`_PositionsAddedByEmber`) and
   the decoder's cross-attention modules marked;
 - narrow linears: weight-only int8 (`quantization="int8"`) or bf16 weights through ember's
-  GEMV (`ember.compiler.quant`);
+  GEMV (`ember.compiler.quant`); a causal LM's q/k/v and gate/up projections fused into one
+  linear each (`fuse_projections_`);
 - LoRA wrappers around the targeted projections (`ember.lora.layers`).
 """
 
@@ -27,6 +28,7 @@ from ember.compiler.quant import (
     GemvLinear,
     GroupLinear,
     PackedLinear,
+    fuse_projections_,
     quantize_int4_,
     quantize_int8_,
     use_kernel_linears_,
@@ -138,6 +140,8 @@ def load_model(
         quantize_int4_(model)
     elif (kernel_linears or narrow) and kernels.available(cpu_isa):
         use_kernel_linears_(model, dtype)
+    if spec.task == "generate" and spec.multimodal is None and lora is None:
+        fuse_projections_(model)
     if narrow:
         _widen_all_but_linear_weights(model, dtype)
     _release_checkpoint_mapping(model, spec.model_dir)
@@ -199,6 +203,7 @@ def _load_gguf(
     finally:
         gguf.release(path)  # the file's memory map
     use_kernel_linears_(model, dtype)
+    fuse_projections_(model)
     _widen_all_but_linear_weights(model, dtype)
     return model, tokenizer
 

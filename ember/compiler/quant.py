@@ -380,3 +380,136 @@ def quantize_int4_(model: nn.Module, symmetric: bool = False) -> int:
         return GroupLinear(codes, scales, mins, 4, linear.bias)
 
     return _replace_linears(model, make)
+
+
+# Projections of one module that read the same input, fused into one linear each
+# (`fuse_projections_`): attention's q/k/v and a gated MLP's gate/up.
+FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class FusedSlice(nn.Module):
+    """One projection of a fused group: `fused(x)[..., start:end]`, a drop-in for the linear it
+    replaces (HF's modeling code still calls q_proj, k_proj and v_proj in turn).
+
+    Compiled, each slice calls the fused op on its input and `dedupe_pure_ops` (a post-grad
+    pass) keeps one call per input: one GEMV per group. Eager, the first slice called computes
+    the group's output and its siblings take it while their input is the same tensor object;
+    the last one to take it drops it (no step's activations outlive it). Either way a slice
+    whose input differs from its siblings' still gets the right rows."""
+
+    def __init__(
+        self, fused: nn.Module, memo: dict[str, object], start: int, end: int, group: int
+    ) -> None:
+        super().__init__()
+        self.fused = fused
+        self.memo = memo  # shared by the group's slices: input, output, slices yet to read it
+        self.group = group  # slices in the group
+        self.start, self.end = start, end
+        self.in_features, self.out_features = fused.in_features, end - start
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """HF code reads `proj.weight.dtype`/`.device`: the fused weight's."""
+        return self.fused.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            y = self.fused(x)
+        else:
+            memo = self.memo
+            if memo.get("x") is not x:
+                memo.update(x=x, y=self.fused(x), left=self.group)
+            y = memo["y"]  # type: ignore[assignment]
+            memo["left"] = memo["left"] - 1  # type: ignore[operator]
+            if memo["left"] == 0:
+                memo.clear()
+        return y[..., self.start : self.end]
+
+    def extra_repr(self) -> str:
+        return f"rows [{self.start}, {self.end}) of a fused projection"
+
+
+def _cat_bias(parts: list[nn.Module]) -> torch.Tensor | None:
+    biases = [getattr(p, "bias", None) for p in parts]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat(
+        [
+            b.detach().float() if b is not None else torch.zeros(p.out_features)
+            for b, p in zip(biases, parts, strict=True)
+        ]
+    )
+
+
+def _fuse(parts: list[nn.Module]) -> nn.Module | None:
+    """One linear computing `parts`' outputs side by side, or None where they cannot be fused
+    (different types, input sizes or formats; a packed part that does not fill its last
+    panel, unless it is the last part)."""
+    kind = type(parts[0])
+    if any(type(p) is not kind for p in parts) or len({p.in_features for p in parts}) != 1:
+        return None
+    if kind in (nn.Linear, GemvLinear):
+        if len({p.weight.dtype for p in parts}) != 1:
+            return None
+        linear = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=False)
+        linear.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), False)
+        bias = _cat_bias(parts)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias.to(parts[0].weight.dtype), False)
+        return linear if kind is nn.Linear else GemvLinear(linear)
+    if kind not in (PackedLinear, Int8Linear, GroupLinear):
+        return None
+    main = "codes" if kind is GroupLinear else "packed"
+    panel = getattr(parts[0], main).shape[2]
+    if kind is not GroupLinear and parts[0].pairs:
+        panel //= 2
+    if any(p.out_features % panel for p in parts[:-1]):
+        return None
+    flags = {
+        (getattr(p, "bits", 0), getattr(p, "pairs", False), getattr(p, main).dtype)
+        + tuple(getattr(p, n, None) is None for n in ("scales", "mins"))
+        for p in parts
+    }
+    if len(flags) != 1:
+        return None
+    fused = kind.__new__(kind)
+    nn.Module.__init__(fused)
+    fused.__dict__.update(
+        {k: v for k, v in parts[0].__dict__.items() if not k.startswith("_")},
+        out_features=sum(p.out_features for p in parts),
+    )
+    for name in (main, "scales", "mins"):
+        if name in parts[0]._buffers:
+            tensors = [getattr(p, name) for p in parts]
+            value = None if tensors[0] is None else torch.cat(tensors)
+            fused.register_buffer(name, value)
+    fused.register_buffer("bias", _cat_bias(parts))
+    return fused
+
+
+def fuse_projections_(model: nn.Module) -> int:
+    """Fuse each module's q/k/v projections, and gate/up ones, into one linear (`FusedSlice`
+    views of it), in place; returns how many groups were fused.
+
+    A decode step's small GEMVs cost more than their bytes: measured on AMD EPYC (2 cores,
+    AVX-512), compiled, the linears of a step, fused vs one call per projection:
+    llama-160m Q4_0 1.86 vs 2.46 ms, Q8_0 2.09 vs 2.50; qwen2-0.5b Q4_0 6.03 vs 9.14,
+    Q8_0 11.7 vs 14.3 (one parallel region per group instead of per projection, and qwen2's
+    128-row K and V projections no longer run alone)."""
+    count = 0
+    for module in list(model.modules()):
+        for names in FUSED_PROJECTIONS:
+            parts = [getattr(module, n, None) for n in names]
+            if any(not isinstance(p, nn.Module) for p in parts):
+                continue
+            fused = _fuse(parts)  # type: ignore[arg-type]
+            if fused is None:
+                continue
+            memo: dict[str, object] = {}
+            start = 0
+            for name, part in zip(names, parts, strict=True):
+                end = start + part.out_features  # type: ignore[union-attr]
+                setattr(module, name, FusedSlice(fused, memo, start, end, len(names)))
+                start = end
+            count += 1
+    return count

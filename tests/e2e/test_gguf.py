@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from ember.compiler.quant import GroupEmbedding, GroupLinear
+from ember.compiler.quant import FusedSlice, GroupEmbedding, GroupLinear
 from ember.tools.gguf_writer import write_gguf
 from tests.conftest import make_prompts
 
@@ -76,6 +76,8 @@ def test_gguf_greedy_matches_hf_on_the_same_file(gguf_file, qtype, shape):
     with LLM(model=path, compile=False, **KW) as llm:
         model = llm.llm_engine.runner.model
         q_proj = model.model.layers[0].self_attn.q_proj
+        assert isinstance(q_proj, FusedSlice)  # q/k/v fused into one linear
+        q_proj = q_proj.fused
         if qtype in ("F16", "BF16", "F32"):
             packed = {"F16": torch.float16, "F32": torch.float32}.get(qtype, torch.bfloat16)
             assert q_proj.weight.dtype == packed
@@ -313,7 +315,8 @@ def test_int4_matches_its_dequantized_weights_in_hf(checkpoint_dir):
     with LLM(model=d, compile=False, quantization="int4", **KW) as llm:
         assert llm.config.dtype == torch.float32
         linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, GroupLinear)]
-        assert len(linears) == 2 * 7 + 1 and all(
+        # per layer: q/k/v fused, o, gate/up fused, down; then the head
+        assert len(linears) == 2 * 4 + 1 and all(
             m.bits == 4 and m.mins is not None for m in linears
         )
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]

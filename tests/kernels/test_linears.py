@@ -343,3 +343,78 @@ def test_avx2_build_passes_the_same_checks():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert kernels.loaded_isa() != "avx2"  # this process kept its own build
+
+
+class _Block(torch.nn.Module):
+    """An attention block's projections (a ragged v_proj: the last part need not fill a
+    panel) and a gated MLP's, as HF calls them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        sizes = {"q_proj": 64, "k_proj": 32, "v_proj": 40, "gate_proj": 96, "up_proj": 96}
+        for name, n in sizes.items():
+            linear = torch.nn.Linear(64, n, bias=name != "v_proj")
+            with torch.no_grad():
+                linear.weight.copy_(torch.randn(n, 64, generator=g) * 0.1)
+                if linear.bias is not None:
+                    linear.bias.copy_(torch.randn(n, generator=g))
+            setattr(self, name, linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return torch.cat([q, k, v, self.gate_proj(x) * self.up_proj(x)], dim=-1)
+
+
+def _convert(block: torch.nn.Module, kind: str) -> torch.nn.Module:
+    from ember.compiler import quant
+
+    make = {
+        "nn.Linear": None,
+        "GemvLinear": quant.GemvLinear,
+        "PackedLinear": quant.PackedLinear,
+        "Int8Linear": quant.Int8Linear,
+        "int4": lambda lin: quant.GroupLinear(
+            *quant.quantize_groups(lin.weight, 4, False), 4, lin.bias
+        ),
+        "q8_0": lambda lin: quant.GroupLinear(
+            *quant.quantize_groups(lin.weight, 8, True), 8, lin.bias
+        ),
+    }[kind]
+    if make is not None:
+        quant._replace_linears(block, make)
+    return block
+
+
+@pytest.mark.parametrize(
+    "kind", ["nn.Linear", "GemvLinear", "PackedLinear", "Int8Linear", "int4", "q8_0"]
+)
+def test_fused_projections_give_each_projection_its_own_rows(kind):
+    """q/k/v and gate/up fused into one linear each give the same outputs as the separate
+    linears, eager (one fused call per group, nothing kept after the group) and compiled (the
+    post-grad dedupe leaves one call per group)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from ember.compiler.inductor import compile_settings
+    from ember.compiler.quant import FusedSlice, fuse_projections_
+
+    block = _convert(_Block(), kind)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        want = block(x)
+        assert fuse_projections_(block) == 2
+        assert isinstance(block.k_proj, FusedSlice) and block.k_proj.out_features == 32
+        calls = []
+        fused = block.q_proj.fused
+        fused.register_forward_hook(lambda *_: calls.append(1))
+        assert torch.equal(block(x), want)
+        assert len(calls) == 1 and not block.q_proj.memo  # one call; memo dropped after v_proj
+        torch._dynamo.reset()
+        with compile_settings(freezing=False):
+            got, code = run_and_get_code(torch.compile(block, fullgraph=True), x)
+        torch.testing.assert_close(got, want)
+    if kind != "nn.Linear":  # ember's ops: one call per fused group in the generated code
+        op = {"GemvLinear": "fp32_linear", "int4": "group_linear", "q8_0": "group_linear"}.get(
+            kind, "packed_linear"
+        )
+        assert code[0].count(f"torch.ops.ember_cpu.{op}.default(") == 2
