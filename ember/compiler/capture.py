@@ -305,25 +305,6 @@ def capture_cross_attention_lm_forward(
     its cross-attention layers (no cross-attention states).
     """
     lm, head = model.get_decoder(), model.get_output_embeddings()
-    if not images:
-
-        def text_forward(
-            input_ids: torch.Tensor,
-            positions: torch.Tensor,
-            logits_indices: torch.Tensor,
-            attn_metadata: Any,
-            kv_caches: list[torch.Tensor],
-        ) -> torch.Tensor:
-            hidden = lm(
-                input_ids=input_ids[None],
-                position_ids=positions[None],
-                use_cache=False,
-                attn_metadata=attn_metadata,
-                kv_caches=kv_caches,
-            ).last_hidden_state[0]
-            return head(hidden[logits_indices])
-
-        return text_forward
 
     def forward(
         input_ids: torch.Tensor,
@@ -333,15 +314,20 @@ def capture_cross_attention_lm_forward(
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         embeds = lm.embed_tokens(input_ids[None])
-        row_mask = attn_metadata.cross_row_mask.to(embeds.dtype)[None, None, :, None]
+        cross: dict[str, Any] = {}
+        if images:
+            row_mask = attn_metadata.cross_row_mask.to(embeds.dtype)[None, None, :, None]
+            cross = dict(
+                cross_attention_states=embeds.new_zeros(1, 1, embeds.shape[-1]),
+                full_text_row_masked_out_mask=row_mask,
+            )
         hidden = lm(
             inputs_embeds=embeds,
             position_ids=positions[None],
-            cross_attention_states=embeds.new_zeros(1, 1, embeds.shape[-1]),
-            full_text_row_masked_out_mask=row_mask,
             use_cache=False,
             attn_metadata=attn_metadata,
             kv_caches=kv_caches,
+            **cross,
         ).last_hidden_state[0]
         return head(hidden[logits_indices])
 
