@@ -33,11 +33,12 @@ def test_bench_workloads_run_and_report(checkpoint_dir):
         assert any(isinstance(m, PackedLinear) for m in model.modules())
         flops = bench.workload_flops(model, tiny)
         cfg = model.config
-        linears = sum(
-            m.in_features * m.out_features
-            for n, m in model.named_modules()
-            # nn.Linear, or ember's linears standing in for it
-            if hasattr(m, "in_features") and n != "lm_head"
+        # Every projection once, from the config (q/k/v and gate/up run fused, once).
+        kv = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+        linears = cfg.num_hidden_layers * (
+            2 * cfg.hidden_size * cfg.hidden_size
+            + 2 * cfg.hidden_size * kv
+            + 3 * cfg.hidden_size * cfg.intermediate_size
         )
     tokens = 8 + 4 - 1
     head_dim = cfg.hidden_size // cfg.num_attention_heads
