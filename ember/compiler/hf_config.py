@@ -36,9 +36,9 @@ _AUTO_CLASSES: dict[str, Any] = {
 }
 
 
-# Vision-language models ember serves (task "generate", images through cross-attention):
-# model_type -> what the model takes (`ModelSpec.multimodal`).
-MULTIMODAL_MODEL_TYPES = {"mllama": "image"}
+# model_types of the vision-language models ember serves (task "generate", images through
+# cross-attention; `ModelSpec.multimodal`).
+MULTIMODAL_MODEL_TYPES = ("mllama",)
 
 
 class UnsupportedModelError(ValueError):

@@ -135,7 +135,7 @@ class ModelRunner:
         if not generate.requests:
             return RunnerOutput({}, {}, pooled)
         step = self.forwards.step
-        if self.forwards.text is not None and not any(r.images for r in generate.requests):
+        if self.forwards.text is not None and all(r.images is None for r in generate.requests):
             step = self.forwards.text  # no token attends an image: cross layers skipped
         batch = self._batch(generate, step, self.config.max_blocks_per_seq)
         logits = self._run(batch, step)
