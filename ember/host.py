@@ -6,9 +6,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import math
+import mmap
 import os
 import stat
 import subprocess
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("ember")
 
@@ -65,11 +71,9 @@ def user_cache_dir(*parts: str) -> str:
 
 
 @functools.cache
-def cpu_target(march: str = "-march=native") -> str:
-    """The exact code-generation target of `march` on this host, e.g. "znver3-1f0c9a2b": the
-    compiler's expansion of the flag (base architecture plus every -m feature it enables),
-    hashed. Two CPUs that differ in any feature -march=native turns on get different values,
-    so a cache shared between machines never loads code built for the other one."""
+def _march(march: str) -> tuple[str, tuple[str, ...]]:
+    """The base architecture `march` resolves to here and every -m flag the compiler turns on
+    or off with it (its cc1 command line); the CPU's own feature list without a compiler."""
     try:
         run = subprocess.run(
             ["c++", march, "-x", "c++", "-E", "-v", "-"],
@@ -83,8 +87,24 @@ def cpu_target(march: str = "-march=native") -> str:
         base = next(f for f in flags if f.startswith("-march=")).split("=", 1)[1]
     except (OSError, StopIteration, subprocess.SubprocessError):
         # No compiler to ask (then nothing is built here either): the CPU's own feature list.
-        flags, base = sorted(_cpu_flags()), "cpu"
+        return "cpu", tuple(sorted(_cpu_flags()))
+    return base, tuple(flags)
+
+
+def cpu_target(march: str = "-march=native") -> str:
+    """The exact code-generation target of `march` on this host, e.g. "znver3-1f0c9a2b": the
+    compiler's expansion of the flag (base architecture plus every -m feature it enables),
+    hashed. Two CPUs that differ in any feature -march=native turns on get different values,
+    so a cache shared between machines never loads code built for the other one."""
+    base, flags = _march(march)
     return f"{base}-{hashlib.sha256(' '.join(flags).encode()).hexdigest()[:8]}"
+
+
+def native_enables(feature: str) -> bool:
+    """Whether code built here with -march=native may use `feature` (e.g. "avx512f"), as the
+    compiler expands that flag (the CPU's own flags without a compiler)."""
+    base, flags = _march("-march=native")
+    return f"-m{feature}" in flags if base != "cpu" else feature in flags
 
 
 def _unsafe_reason(path: str) -> str | None:
@@ -130,6 +150,22 @@ def private_dir(path: str, what: str) -> str | None:
         logger.warning("not using %s %s: %s; building afresh without it", what, path, reason)
         return None
     return path
+
+
+def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of zeros in its own anonymous memory map: the OS hands out each page zeroed
+    when it is first touched, so a large buffer costs neither a pass over it nor resident
+    memory until it is used (the KV cache: `torch.zeros` of the default 4 GiB took 1.1 s and
+    4 GiB of RSS at start-up, whatever the workload). The tensor keeps the map alive."""
+    import torch
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer first-touch faults where THP is on "madvise"
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 
 def release_free_heap() -> None:

@@ -64,3 +64,66 @@ def test_cpu_target_is_the_exact_march_expansion():
     assert native == host.cpu_target("-march=native")  # stable
     v3 = host.cpu_target("-march=x86-64-v3")
     assert v3.startswith("x86-64-v3-") and v3 != native
+
+
+def test_zeroed_lazily_is_zero_and_takes_memory_only_where_touched():
+    import torch
+
+    def rss_mib() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS")) / 1024
+
+    before = rss_mib()
+    big = host.zeroed_lazily((256, 1024, 1024), torch.float32)  # 1 GiB
+    assert big.shape == (256, 1024, 1024) and big.dtype == torch.float32
+    assert big.is_contiguous()
+    assert float(big[::16, ::256, ::512].abs().sum()) == 0.0  # reads a few pages
+    assert rss_mib() - before < 64
+    big[3, 5, 7] = 2.0
+    assert float(big[3].sum()) == 2.0
+    small = host.zeroed_lazily((4, 16, 2, 8), torch.bfloat16)
+    assert small.dtype == torch.bfloat16 and not small.any()
+    assert host.zeroed_lazily((0, 8), torch.float32).shape == (0, 8)
+
+
+_PREBUILD_CHILD = """
+import sys
+import torch
+import ember
+from ember import kernels
+assert "transformers" not in sys.modules, "import ember pulled in transformers"
+kernels.prebuild("native")
+predicted = kernels.panel_width()
+from ember.compiler.quant import GroupLinear, quantize_groups
+torch.manual_seed(0)
+codes, scales, mins = quantize_groups(torch.randn(40, 64), 4, False)
+layer = GroupLinear(codes, scales, mins, 4)  # laid out while the build may still run
+x = torch.randn(3, 64)
+y = layer(x)  # waits for the build
+assert kernels.loaded_isa() == "native", kernels.loaded_isa()
+assert kernels.panel_width() == predicted, (kernels.panel_width(), predicted)
+ref = x @ layer.rows(slice(None)).T
+print(float((y - ref).abs().max() / ref.abs().max()))
+"""
+
+
+def test_a_prebuild_runs_in_the_background_and_load_waits_for_it():
+    """A fresh process, as the `ember` command runs: `import ember` stays light (the runtime and
+    transformers come on first use), weights are laid out in panels of the width the build
+    will have before it has loaded, and the first op call waits for the build."""
+    import subprocess
+    import sys
+
+    child = subprocess.run(
+        [sys.executable, "-c", _PREBUILD_CHILD], capture_output=True, text=True, timeout=600
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert float(child.stdout.strip().splitlines()[-1]) < 0.05  # x is quantized to int8
+
+
+def test_the_ember_command_reads_the_cpu_isa_flag():
+    from ember.entry import _flag
+
+    assert _flag(["generate", "--cpu-isa", "avx2"], "--cpu-isa") == "avx2"
+    assert _flag(["generate", "--cpu-isa=avx2", "--prompt", "x"], "--cpu-isa") == "avx2"
+    assert _flag(["generate", "--prompt", "x"], "--cpu-isa") is None

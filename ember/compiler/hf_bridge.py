@@ -83,11 +83,21 @@ def _attention_forward(
     return out[None], None
 
 
-def register_attention(backend: AttentionBackend, cpu_isa: str | None = None) -> str:
+def register_attention(
+    backend: AttentionBackend, cpu_isa: str | None = None, resolve: bool = True
+) -> str:
     """Register `backend`'s op (for ember's `cpu_isa` kernel build) in transformers' attention
     registry; returns the `attn_implementation` name to load a model with ("ember_torch",
-    "ember_triton", ...)."""
+    "ember_triton", ...). `resolve=False`: only the name, for building a model while the
+    kernels build (`ember.kernels.prebuild`); register again before it runs."""
     name = f"ember_{backend.name}"
+    if not resolve:
+        AttentionInterface.register(name, _unresolved)
+        return name
     op = backend.load_op(cpu_isa)
     AttentionInterface.register(name, functools.partial(_attention_forward, op))
     return name
+
+
+def _unresolved(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("ember's attention ran before its op was resolved (register_attention)")

@@ -191,17 +191,20 @@ def _load_gguf(
 
     path = spec.gguf_file
     assert path is not None
+    kernels.prebuild(cpu_isa)
+    try:
+        # Neither the tokenizer nor the weights' layout needs the kernels loaded: a first
+        # build runs on another core meanwhile (about 15 s).
+        tokenizer = gguf.load_gguf_tokenizer(path)
+        attention = register_attention(backend, cpu_isa, resolve=False)
+        model = gguf.load_gguf_model(path, spec.hf_config, spec.auto_class, attention)
+    finally:
+        gguf.release(path)  # the file's memory map
     if not kernels.available(cpu_isa):
         raise UnsupportedModelError(
             "GGUF files run on ember's C++ kernels, which cannot be built here"
         )
-    try:
-        model = gguf.load_gguf_model(
-            path, spec.hf_config, spec.auto_class, register_attention(backend, cpu_isa)
-        )
-        tokenizer = gguf.load_gguf_tokenizer(path)
-    finally:
-        gguf.release(path)  # the file's memory map
+    register_attention(backend, cpu_isa)
     use_kernel_linears_(model, dtype)
     fuse_projections_(model)
     _widen_all_but_linear_weights(model, dtype)

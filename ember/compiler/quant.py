@@ -261,7 +261,7 @@ class GroupLinear(nn.Module):
         bias: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
-        kernels.load()
+        kernels.prebuild()  # laid out for the build's panel width; `forward` waits for it
         if bits not in (4, 8):
             raise ValueError(f"GroupLinear: bits must be 4 or 8, got {bits}")
         n, k = codes.shape
@@ -289,6 +289,8 @@ class GroupLinear(nn.Module):
         return self.codes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.loaded_isa() is None:
+            kernels.load()
         return torch.ops.ember_cpu.group_linear(
             x, self.codes, self.scales, self.mins, self.bias, self.out_features, self.bits
         )

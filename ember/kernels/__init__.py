@@ -58,10 +58,11 @@ import hashlib
 import logging
 import os
 import tempfile
+import threading
 
 import torch
 
-from ember.host import cpu_target, private_dir, user_cache_dir
+from ember.host import cpu_target, native_enables, private_dir, user_cache_dir
 
 logger = logging.getLogger("ember")
 
@@ -72,6 +73,10 @@ _ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=
 _loaded_isa: str | None = None
 _panel = 0  # packed weight panel width of the loaded build
 _bf16_pairs = False  # the loaded build has pack_bf16_pairs (AVX512-BF16)
+# Held while a build loads (`load`, or `prebuild`'s thread): a caller waits for that build.
+_loading = threading.Lock()
+_prebuilding: threading.Thread | None = None
+_prebuild_isa: str | None = None
 
 
 def _attention_fake(query: torch.Tensor, *args: object) -> torch.Tensor:
@@ -114,8 +119,15 @@ def _group_linear_fake(
 
 
 def panel_width() -> int:
-    """Output channels per packed panel in the loaded build (0 before `load`)."""
-    return _panel
+    """Output channels per packed panel: the loaded build's; before it loads, the width of the
+    build `prebuild` started (else the native one), so weights can be laid out while it
+    builds: two vectors of fp32, 32 where the build targets AVX-512F, else 16 (checked when
+    the build loads)."""
+    return _panel or _expected_panel(_prebuild_isa or "native")
+
+
+def _expected_panel(isa: str) -> int:
+    return 32 if isa == "native" and native_enables("avx512f") else 16
 
 
 def _pack_fake(w: torch.Tensor) -> torch.Tensor:
@@ -141,18 +153,45 @@ def load(isa: str | None = None) -> None:
     """Build (first time on this machine) and load the kernels for `isa` (None: the loaded one,
     else "native"); registers `ember_cpu` ops. A process holds one build: asking for another
     ISA after loading raises RuntimeError. Needs a C++ compiler, as inductor does; raises
-    RuntimeError naming the build dir if the build fails."""
+    RuntimeError naming the build dir if the build fails. Waits for a `prebuild` in flight."""
     global _loaded_isa
-    if _loaded_isa is not None:
-        if isa not in (None, _loaded_isa):
-            raise RuntimeError(
-                f"ember's kernels are loaded for cpu_isa={_loaded_isa!r} in this process; "
-                f"cpu_isa={isa!r} needs a new process"
-            )
+    if _loaded_isa is not None and isa in (None, _loaded_isa):
         return
-    isa = isa or "native"
-    _build_and_load(isa, _CFLAGS + _ISA_FLAGS[isa])
-    _loaded_isa = isa
+    with _loading:
+        if _loaded_isa is not None:
+            if isa not in (None, _loaded_isa):
+                raise RuntimeError(
+                    f"ember's kernels are loaded for cpu_isa={_loaded_isa!r} in this process; "
+                    f"cpu_isa={isa!r} needs a new process"
+                )
+            return
+        isa = isa or "native"
+        _build_and_load(isa, _CFLAGS + _ISA_FLAGS[isa])
+        _loaded_isa = isa
+
+
+def prebuild(isa: str | None = None) -> None:
+    """Start `load(isa)` in a background thread and return at once, so that the one-time build
+    (about 15 s: the compiler runs in a subprocess, on another core) overlaps whatever the
+    caller does next, such as reading a model; the first `load`/`available` call waits for it.
+    A failed background build is not reported here: the next `load` retries and raises, and
+    `available` logs it. No-op when the kernels are loaded or a prebuild already started.
+    The thread is not a daemon: the interpreter waits for it at exit, so a build is never cut
+    off while it holds torch's build-directory lock file (a stale one would block every later
+    build)."""
+    global _prebuilding, _prebuild_isa
+    if _loaded_isa is not None or _prebuilding is not None:
+        return
+    _prebuild_isa = isa or "native"
+
+    def build() -> None:
+        try:
+            load(isa)
+        except Exception:  # noqa: BLE001  (reported by the caller's own load)
+            logger.debug("background kernel build failed", exc_info=True)
+
+    _prebuilding = threading.Thread(target=build, name="ember-kernel-build")
+    _prebuilding.start()
 
 
 def _build_and_load(isa: str, cflags: list[str]) -> None:
@@ -183,6 +222,11 @@ def _build_and_load(isa: str, cflags: list[str]) -> None:
         raise RuntimeError(f"cannot build ember's C++ kernels in {build_dir}: {e}") from e
     global _panel, _bf16_pairs
     _panel = int(torch.ops.ember_cpu.pack_linear_weight(torch.zeros(1, 1)).shape[2])
+    if _panel != _expected_panel(isa):  # weights may already be laid out for the expected one
+        raise RuntimeError(
+            f"ember's kernels in {build_dir} have panels of {_panel} channels, not the "
+            f"{_expected_panel(isa)} expected for cpu_isa={isa!r} on this CPU"
+        )
     try:  # builds without AVX512-BF16 refuse to pack pairs
         torch.ops.ember_cpu.pack_bf16_pairs(torch.zeros(1, 2, dtype=torch.bfloat16))
         _bf16_pairs = True

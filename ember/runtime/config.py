@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ember import kernels
 from ember.attention import BACKEND_NAMES, select_backend
 from ember.compiler.hf_config import (
     LOAD_FORMATS,
@@ -149,6 +150,8 @@ class EngineArgs:
         model = resolve_model(self.model, self.revision, self.load_format)
         if model != self.model:  # a hub id: every later read is of the local snapshot
             return dataclasses.replace(self, model=model, revision=None).create_engine_config()
+        if self.cpu_isa in CPU_ISAS:
+            kernels.prebuild(self.cpu_isa)  # a first build overlaps reading the checkpoint
         spec = read_model_spec(self.model)
         dtype, quantization = self.dtype, self.quantization
         if dtype == "int8":

@@ -19,7 +19,7 @@ from ember.compiler import cache
 from ember.compiler.capture import CompiledForward, Forward, build_forwards
 from ember.compiler.inductor import compile_settings
 from ember.compiler.loader import LoadedModel
-from ember.host import private_dir
+from ember.host import private_dir, zeroed_lazily
 from ember.lora.manager import LoRAManager
 from ember.runtime.batch import (
     ForwardBatch,
@@ -57,12 +57,11 @@ class ModelRunner:
         self.pooling = pooling
         self.lora = lora
         self.backend = get_backend(config.attention_backend)
-        # One tensor per layer, each with that layer's K/V heads and head_dim. Zeros, not
-        # empty: attention masks unused slots, and masked NaNs would still poison the sum.
+        # One tensor per layer, each with that layer's K/V heads and head_dim.
         self.kv_caches = [
-            torch.zeros(
+            zeroed_lazily(
                 self.backend.kv_cache_shape(num_blocks, config.block_size, heads, head_dim),
-                dtype=config.dtype,
+                config.dtype,
             )
             for heads, head_dim in loaded.kv_layer_shapes
         ]

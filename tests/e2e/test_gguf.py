@@ -150,6 +150,55 @@ def test_gguf_tokenizer_and_config_come_from_the_file(gguf_file):
         assert out[0].outputs[0].text == reference.decode(out[0].outputs[0].token_ids)
 
 
+def test_the_converted_tokenizer_is_cached_and_read_back_equal(
+    gguf_file, tmp_path, monkeypatch, caplog
+):
+    """The first load converts the file's tokenizer and pickles it into a private cache dir;
+    later loads read it back (no conversion) and it tokenizes, decodes and renders chats as
+    the converted one; a changed file or an unreadable cache entry is converted again."""
+    import shutil
+
+    from ember.compiler import gguf as ember_gguf
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = shutil.copy(gguf_file("tiny-llama", "Q8_0"), tmp_path / "model.gguf")
+    converted = ember_gguf.load_gguf_tokenizer(path)
+    entry = ember_gguf._tokenizer_cache(path)
+    assert os.path.isfile(entry)
+    assert os.stat(os.path.dirname(entry)).st_mode & 0o777 == 0o700
+
+    def no_conversion(path):
+        raise AssertionError("the tokenizer was converted again")
+
+    with monkeypatch.context() as m:
+        m.setattr(ember_gguf, "_shared_reader", no_conversion)
+        cached = ember_gguf.load_gguf_tokenizer(path)
+    assert type(cached) is type(converted)
+    for text in ("The quick brown fox, hello world 123", " leading space", "ünïcödé  tabs\t"):
+        ids = converted(text)["input_ids"]
+        assert cached(text)["input_ids"] == ids
+        assert cached.decode(ids) == converted.decode(ids)
+    assert cached.get_vocab() == converted.get_vocab()
+    assert cached.all_special_ids == converted.all_special_ids
+    assert (cached.bos_token_id, cached.eos_token_id) == (
+        converted.bos_token_id,
+        converted.eos_token_id,
+    )
+    assert cached.chat_template == converted.chat_template
+
+    stat = os.stat(path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert ember_gguf._tokenizer_cache(path) != entry  # an edited file is converted again
+
+    broken = ember_gguf._tokenizer_cache(path)
+    with open(broken, "wb") as f:
+        f.write(b"not a pickle")
+    with caplog.at_level("WARNING", logger="ember"):
+        again = ember_gguf.load_gguf_tokenizer(path)
+    assert "converting the tokenizer again" in caplog.text
+    assert again("hello world")["input_ids"] == converted("hello world")["input_ids"]
+
+
 def test_group_linear_from_blocks_reads_ggml_layouts_exactly():
     """Each kept type's raw blocks, as `gguf.quants` writes them, give the same weight values
     as the package's own dequantizer."""
