@@ -1,4 +1,4 @@
-"""Imports flow one way: cli/tools -> runtime -> compiler -> attention, lora, kernels -> host,
+"""Imports flow one way: entry -> cli/tools -> runtime -> compiler -> attention, lora, kernels -> host,
 version. No module imports a layer above its own, at module level or inside a function."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ LAYERS = {
     "ember": 5,  # the public API (__init__)
     "ember.tools": 6,
     "ember.cli": 7,
+    "ember.entry": 8,  # the `ember` command: starts the kernel build, then runs the CLI
 }
 
 
