@@ -30,6 +30,7 @@ import hashlib
 import logging
 import os
 import pickle
+import struct
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
@@ -53,14 +54,17 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 _readers: dict[str, Any] = {}  # path -> its reader, from the config read until the model is built
 
 
-def _reader(path: str) -> Any:
+def _reader(path: str, light: bool = False) -> Any:
     """The file's `GGUFReader` (memory-mapped), parsed once per load: the config, the tokenizer
-    and the weights all read it. `UnsupportedModelError` naming the problem for a missing,
-    truncated or malformed file or an unknown tensor type."""
+    and the weights all read it. `light`: a reader that skipped the metadata's large arrays
+    (the vocabulary) is enough; a full one is opened when only a light one is at hand.
+    `UnsupportedModelError` naming the problem for a missing, truncated or malformed file or
+    an unknown tensor type."""
     key = os.path.abspath(path)
-    if key not in _readers:
-        _readers[key] = _open(path)
-    return _readers[key]
+    reader = _readers.get(key)
+    if reader is None or (reader.light and not light):
+        reader = _readers[key] = _open(path, light)
+    return reader
 
 
 def release(path: str) -> None:
@@ -68,16 +72,26 @@ def release(path: str) -> None:
     _readers.pop(os.path.abspath(path), None)
 
 
-def _open(path: str) -> Any:
+# A light reader skips metadata arrays longer than this (vocabulary, scores, merges).
+_LIGHT_ARRAY_MIN = 64
+
+
+def _open(path: str, light: bool = False) -> Any:
     try:
-        from gguf import GGUFReader
+        from gguf import GGUFReader, GGUFValueType
     except ImportError as e:  # pragma: no cover - a dependency of ember
         raise UnsupportedModelError("loading a GGUF file needs the `gguf` package") from e
 
     class Reader(GGUFReader):  # type: ignore[misc, valid-type]
         """Parses the metadata from a plain ndarray view of the map: numpy's memmap subclass
         costs per element read, and a 262k-token vocabulary is a million reads (Gemma 3
-        270M: 8.2 s against 2.3 s)."""
+        270M: 8.2 s against 2.3 s).
+
+        `light`: metadata arrays of `_LIGHT_ARRAY_MIN` or more elements are stepped over,
+        their fields left without data (2.8 s -> 0.2 s for Gemma 3's): for loads whose config
+        and tokenizer come from ember's cache, which read only the architecture and tensors."""
+
+        light = False
 
         @property
         def data(self) -> np.ndarray:
@@ -87,11 +101,37 @@ def _open(path: str) -> Any:
         def data(self, value: np.ndarray) -> None:
             self._array = np.asarray(value)  # a view: its base keeps the map open
 
+        def _get_field_parts(self, offs: int, raw_type: int) -> tuple[int, list, list, list]:
+            if self.light and raw_type == GGUFValueType.ARRAY and self.byte_order == "I":
+                itype = GGUFValueType(int(self._get(offs, np.uint32)[0]))
+                count = int(self._get(offs + 4, np.uint64)[0])
+                if count >= _LIGHT_ARRAY_MIN and itype != GGUFValueType.ARRAY:
+                    end = offs + 12
+                    if itype == GGUFValueType.STRING:
+                        buf = self._array
+                        for _ in range(count):
+                            end += 8 + struct.unpack_from("<Q", buf, end)[0]
+                    else:
+                        end += count * np.dtype(self.gguf_scalar_to_np[itype]).itemsize
+                    return end - offs, [], [], [GGUFValueType.ARRAY, itype]
+            return super()._get_field_parts(offs, raw_type)
+
+    class LightReader(Reader):
+        light = True
+
     if not os.path.isfile(path):
         raise ValueError(f"model: GGUF file {path!r} does not exist")
     try:
-        return Reader(path)
-    except (ValueError, OSError, IndexError, KeyError, TypeError, AssertionError) as e:
+        return LightReader(path) if light else Reader(path)
+    except (
+        ValueError,
+        OSError,
+        IndexError,
+        KeyError,
+        TypeError,
+        AssertionError,
+        struct.error,
+    ) as e:
         if "GGMLQuantizationType" in str(e):
             problem = f"unknown tensor type ({e})"
         else:
@@ -148,20 +188,32 @@ def _architecture(reader: Any, path: str) -> str:
 def weight_types(path: str) -> Counter[str]:
     """How many 2-D tensors of each type the file holds (for reports)."""
     try:
-        return Counter(t.tensor_type.name for t in _reader(path).tensors if len(t.shape) > 1)
+        tensors = _reader(path, light=True).tensors
+        return Counter(t.tensor_type.name for t in tensors if len(t.shape) > 1)
     finally:
         release(path)
 
 
 def load_gguf_config(path: str) -> PretrainedConfig:
-    """The transformers config of a GGUF file (metadata only; tensors are not read)."""
+    """The transformers config of a GGUF file (metadata only; tensors are not read). Cached as
+    the tokenizer is (`load_gguf_tokenizer`); when both are, the file is opened with a light
+    reader, which skips the vocabulary."""
+    entry = _cache_entry(path, "config")
+    config = _load_pickle(entry, "config")
+    if config is not None:
+        tokenizer_entry = _cache_entry(path, "tokenizer")
+        light = tokenizer_entry is not None and os.path.isfile(tokenizer_entry)
+        _architecture(_reader(path, light=light), path)
+        return config
     _architecture(_reader(path), path)
     directory, name = os.path.split(os.path.abspath(path))
     try:
         with _shared_reader(path):
-            return AutoConfig.from_pretrained(directory, gguf_file=name, local_files_only=True)
+            config = AutoConfig.from_pretrained(directory, gguf_file=name, local_files_only=True)
     except (ValueError, KeyError, OSError, TypeError) as e:
         raise UnsupportedModelError(f"cannot read the config of GGUF file {path!r}: {e}") from e
+    _save_pickle(config, entry)
+    return config
 
 
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
@@ -172,13 +224,10 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     compile cache), keyed by the file's path, size and mtime and the transformers/tokenizers
     versions, and later loads unpickle it: for a 262k-token vocabulary (Gemma 3) converting
     takes about 5 s, `from_pretrained` of a saved copy 2.7 s, unpickling 1.1 s."""
-    cache = _tokenizer_cache(path)
-    if cache is not None and os.path.isfile(cache):
-        try:
-            with open(cache, "rb") as f:
-                return pickle.load(f)
-        except Exception as e:  # noqa: BLE001  (any unpickling failure: convert again)
-            logger.warning("converting the tokenizer again: cannot read %s (%s)", cache, e)
+    entry = _cache_entry(path, "tokenizer")
+    tokenizer = _load_pickle(entry, "tokenizer")
+    if tokenizer is not None:
+        return tokenizer
     directory, name = os.path.split(os.path.abspath(path))
     try:
         with _shared_reader(path):
@@ -188,36 +237,54 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     except (OSError, ValueError, TypeError, KeyError) as e:
         logger.warning("no tokenizer in %s (%s); only token-id prompts work", path, e)
         return None
-    if cache is not None:
-        _save_tokenizer(tokenizer, cache)
+    _save_pickle(tokenizer, entry)
     return tokenizer
 
 
-def _tokenizer_cache(path: str) -> str | None:
-    """Where the converted tokenizer of `path` is kept (None: no usable cache directory)."""
+def _cache_entry(path: str, what: str) -> str | None:
+    """Where ember keeps `what` ("config", "tokenizer") converted from the GGUF file `path`:
+    `~/.cache/ember/gguf/<key>-<what>.pkl`, the key from the file's real path, size and mtime
+    and the transformers/tokenizers versions. None: no usable cache directory, or no file."""
     import tokenizers
     import transformers
 
     real = os.path.realpath(path)
-    stat = os.stat(real)
+    try:
+        stat = os.stat(real)
+    except OSError:  # missing: `_open` names the problem
+        return None
     ident = f"{real}\0{stat.st_size}\0{stat.st_mtime_ns}"
     ident += f"\0{transformers.__version__}\0{tokenizers.__version__}"
-    parent = private_dir(user_cache_dir("tokenizers"), "tokenizer cache")
+    parent = private_dir(user_cache_dir("gguf"), "GGUF cache")
     if parent is None:
         return None
-    return os.path.join(parent, hashlib.sha256(ident.encode()).hexdigest()[:24] + ".pkl")
+    return os.path.join(parent, f"{hashlib.sha256(ident.encode()).hexdigest()[:24]}-{what}.pkl")
 
 
-def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, cache: str) -> None:
-    """Pickle into a fresh file beside `cache`, then rename it: a reader never sees a
+def _load_pickle(entry: str | None, what: str) -> Any:
+    """The object cached at `entry`, or None (missing; unreadable: logged, converted again)."""
+    if entry is None or not os.path.isfile(entry):
+        return None
+    try:
+        with open(entry, "rb") as f:
+            return pickle.load(f)
+    except Exception as e:  # noqa: BLE001  (any unpickling failure: convert again)
+        logger.warning("converting the %s again: cannot read %s (%s)", what, entry, e)
+        return None
+
+
+def _save_pickle(obj: Any, entry: str | None) -> None:
+    """Pickle into a fresh file beside `entry`, then rename it: a reader never sees a
     half-written one."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(cache))
+    if entry is None:
+        return
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(entry))
     try:
         with os.fdopen(fd, "wb") as f:
-            pickle.dump(tokenizer, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, cache)
+            pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, entry)
     except (OSError, pickle.PicklingError, TypeError, AttributeError) as e:
-        logger.debug("tokenizer not cached in %s: %s", cache, e)
+        logger.debug("not cached in %s: %s", entry, e)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
 
@@ -308,7 +375,7 @@ def load_gguf_model(
         get_gguf_hf_weights_map,
     )
 
-    reader = _reader(path)
+    reader = _reader(path, light=True)  # tensors and the architecture only
     arch = _architecture(reader, path)
     with torch.device("meta"):
         model = auto_class.from_config(config, attn_implementation=attn_implementation)

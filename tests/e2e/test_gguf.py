@@ -163,7 +163,7 @@ def test_the_converted_tokenizer_is_cached_and_read_back_equal(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = shutil.copy(gguf_file("tiny-llama", "Q8_0"), tmp_path / "model.gguf")
     converted = ember_gguf.load_gguf_tokenizer(path)
-    entry = ember_gguf._tokenizer_cache(path)
+    entry = ember_gguf._cache_entry(path, "tokenizer")
     assert os.path.isfile(entry)
     assert os.stat(os.path.dirname(entry)).st_mode & 0o777 == 0o700
 
@@ -188,15 +188,47 @@ def test_the_converted_tokenizer_is_cached_and_read_back_equal(
 
     stat = os.stat(path)
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    assert ember_gguf._tokenizer_cache(path) != entry  # an edited file is converted again
+    assert ember_gguf._cache_entry(path, "tokenizer") != entry  # an edited file: converted again
 
-    broken = ember_gguf._tokenizer_cache(path)
+    broken = ember_gguf._cache_entry(path, "tokenizer")
     with open(broken, "wb") as f:
         f.write(b"not a pickle")
     with caplog.at_level("WARNING", logger="ember"):
         again = ember_gguf.load_gguf_tokenizer(path)
     assert "converting the tokenizer again" in caplog.text
     assert again("hello world")["input_ids"] == converted("hello world")["input_ids"]
+
+
+def test_a_cached_config_and_tokenizer_load_with_a_light_reader(gguf_file, tmp_path, monkeypatch):
+    """Once the config and tokenizer are cached, the file is opened with a reader that steps
+    over the metadata's large arrays (the vocabulary): same config, same tensors, same greedy
+    tokens as the first, fully parsed load."""
+    import shutil
+
+    from ember.compiler import gguf as ember_gguf
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = str(shutil.copy(gguf_file("tiny-qwen2", "Q4_0"), tmp_path / "model.gguf"))
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(2, seed=5, low=4, high=12)]
+    outs, opened = [], []
+    real_open = ember_gguf._open
+    monkeypatch.setattr(
+        ember_gguf, "_open", lambda p, light=False: opened.append(light) or real_open(p, light)
+    )
+    for _ in range(2):
+        with LLM(model=path, compile=False, **KW) as llm:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)])
+        outs.append(llm.config.model_spec.hf_config.to_dict())
+    assert opened == [False, True]  # the second load parsed no vocabulary
+    assert outs[0] == outs[2] and outs[1] == outs[3]
+
+    full, light = ember_gguf._open(path), ember_gguf._open(path, light=True)
+    assert [(t.name, t.tensor_type, list(t.shape)) for t in full.tensors] == [
+        (t.name, t.tensor_type, list(t.shape)) for t in light.tensors
+    ]
+    assert len(full.fields["tokenizer.ggml.tokens"].data) > 64
+    assert light.fields["tokenizer.ggml.tokens"].data == []
+    assert ember_gguf._architecture(light, path) == "qwen2"
 
 
 def test_group_linear_from_blocks_reads_ggml_layouts_exactly():
