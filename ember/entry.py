@@ -4,28 +4,30 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
+
+from ember.host import CPU_ISAS
 
 # Commands that load a model in this process (`bench` may start itself again under the AVX2
 # environment first, and a process replacing itself must not leave a build half-done).
 _MODEL_COMMANDS = ("generate", "embed", "warmup", "serve")
 
 
-def _flag(args: Sequence[str], name: str) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
+def _cpu_isa(args: Sequence[str]) -> str:
+    """`--cpu-isa` as the command's own parser reads it (argparse, so `--cpu-isa=x` and
+    abbreviations such as `--cpu x` too): the build started here must be the one it loads."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--cpu-isa", default="native")
+    return parser.parse_known_args(args)[0].cpu_isa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in _MODEL_COMMANDS and "-h" not in args and "--help" not in args:
-        isa = _flag(args, "--cpu-isa") or "native"
-        if isa in ("native", "avx2"):
+        isa = _cpu_isa(args[1:])
+        if isa in CPU_ISAS:
             from ember import kernels
 
             kernels.prebuild(isa)

@@ -122,8 +122,10 @@ def test_a_prebuild_runs_in_the_background_and_load_waits_for_it():
 
 
 def test_the_ember_command_reads_the_cpu_isa_flag():
-    from ember.entry import _flag
+    from ember.entry import _cpu_isa
 
-    assert _flag(["generate", "--cpu-isa", "avx2"], "--cpu-isa") == "avx2"
-    assert _flag(["generate", "--cpu-isa=avx2", "--prompt", "x"], "--cpu-isa") == "avx2"
-    assert _flag(["generate", "--prompt", "x"], "--cpu-isa") is None
+    assert _cpu_isa(["--cpu-isa", "avx2"]) == "avx2"
+    assert _cpu_isa(["--cpu-isa=avx2", "--prompt", "x"]) == "avx2"
+    assert _cpu_isa(["--prompt", "x"]) == "native"
+    # an abbreviation the command's own parser accepts
+    assert _cpu_isa(["--prompt", "x", "--cpu", "avx2"]) == "avx2"

@@ -17,7 +17,6 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
-from ember import kernels
 from ember.attention import get_backend
 from ember.compiler.loader import LoadedModel, LoRAShape, load_model
 from ember.lora.adapter import LoRARequest
@@ -154,7 +153,6 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, show_progress: bool = True) -> LLMEngine:
         """Load the model, size the KV cache and compile every bucket before returning."""
-        kernels.prebuild(config.cpu_isa)  # a first build overlaps reading the model
         lora = None
         if config.enable_lora:
             lora = LoRAShape(config.max_loras, config.max_lora_rank, config.max_num_batched_tokens)
