@@ -11,9 +11,12 @@ loader dequantizes every tensor to fp32. Here each tensor is placed in the model
   exactly (fp16 scales, 8- or 4-bit codes, multiplied by ember's int8 dot-product kernel); a
   table in one of those types becomes a `GroupEmbedding` over the same codes, shared with a
   tied LM head;
-- Q5_0 weights become 8-bit codes exactly; every other quantized type (K-quants, Q5_1, IQ*) is
-  dequantized tensor by tensor (the `gguf` package's numpy reference) and requantized to 8-bit
-  groups of 32;
+- Q4_K weights (most of a Q4_K_M file) become 4-bit codes with offsets: each sub-block of 32
+  is a Q4_1 group whose scale d * sc and offset -dmin * m are rounded to fp16 (within 2^-11 of
+  each, against a step of 1/15 of the group's range for a requantization);
+- Q5_0 weights become 8-bit codes exactly; every other quantized type (Q5_K, Q6_K, Q5_1, IQ*)
+  is dequantized tensor by tensor (the `gguf` package's numpy reference) and requantized to
+  8-bit groups of 32;
 - F32, F16 and BF16 tensors keep their type (F16 linears are packed as fp16 and widened
   exactly); a quantized tensor that fits no group layout is dequantized to bf16.
 
@@ -321,13 +324,44 @@ KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 DENSE_TYPES = ("F32", "F16", "BF16")
 
 
+def group_linear_from_q4_k(raw: np.ndarray, bias: torch.Tensor | None = None) -> GroupLinear:
+    """A Q4_K weight as a 4-bit `GroupLinear` with offsets. A Q4_K super-block of 256 values is
+    fp16 d and dmin, twelve bytes of 6-bit scales sc and offsets m (one pair per sub-block of
+    32), then 128 bytes whose low nibbles are the codes of sub-block 2i and high nibbles of
+    2i + 1 (bytes 32i to 32i + 31): w = d sc q - dmin m, which is a Q4_1 group with scale
+    d sc and offset -dmin m (rounded to fp16 here)."""
+    from gguf.quants import Q4_K
+
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, 144)
+    supers = blocks.shape[1]
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, supers, 1]
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
+    scales = d * sc.reshape(rows, supers, 8).astype(np.float32)
+    mins = -dmin * m.reshape(rows, supers, 8).astype(np.float32)
+    qs = blocks[..., 16:].reshape(rows, supers, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+    codes = (qs & 15).reshape(rows, -1)
+    return GroupLinear(
+        torch.from_numpy(codes),
+        torch.from_numpy(scales.reshape(rows, -1)),
+        torch.from_numpy(mins.reshape(rows, -1)),
+        4,
+        bias,
+    )
+
+
 def group_linear_from_values(
     raw: np.ndarray, tensor_type: Any, bias: torch.Tensor | None = None
 ) -> GroupLinear:
-    """Any other quantized weight as an 8-bit `GroupLinear`: Q5_0's values exactly (its codes
-    q - 16 in [-16, 15] with the file's fp16 scale), every other type (K-quants, Q5_1, IQ*)
-    dequantized by the `gguf` package and requantized to 8-bit groups of 32 (Q8_0's rule)."""
+    """Any other quantized weight as a `GroupLinear`: Q4_K as 4-bit groups with offsets
+    (`group_linear_from_q4_k`); Q5_0's values exactly as 8-bit codes (q - 16 in [-16, 15] with
+    the file's fp16 scale); every other type (Q5_K, Q6_K, Q5_1, IQ*) dequantized by the `gguf`
+    package and requantized to 8-bit groups of 32 (Q8_0's rule)."""
     from gguf import dequantize
+
+    if tensor_type.name == "Q4_K":
+        return group_linear_from_q4_k(raw, bias)
 
     values = torch.from_numpy(dequantize(np.ascontiguousarray(raw), tensor_type))
     rows = values.shape[0]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from ember.compiler.quant import FusedSlice, GroupEmbedding, GroupLinear
+from ember.compiler.quant import FusedSlice, GroupEmbedding, GroupLinear, _from_panels
 from ember.tools.gguf_writer import write_gguf
 from tests.conftest import make_prompts
 
@@ -257,7 +257,30 @@ def _random_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q5_1"])
+def test_q4_k_becomes_4_bit_groups_with_offsets_within_fp16_rounding():
+    """Q4_K from random blocks (two super-blocks a row): 4-bit codes with offsets, each value
+    within the fp16 rounding of its group's scale d * sc and offset -dmin * m of the `gguf`
+    package's dequantized value (a requantization to 8 bits would be ~100x further)."""
+    from ember.compiler.gguf import group_linear_from_values
+
+    raw = _random_blocks("Q4_K", 5, 512)
+    raw[0, 4:16] = 0  # a sub-block with scale and offset 0
+    ggml_type = gguf.GGMLQuantizationType.Q4_K
+    linear = group_linear_from_values(raw, ggml_type)
+    assert (linear.bits, linear.mins is not None) == (4, True)
+    panel = linear.codes.shape[2]  # 5 channels padded to one panel
+    assert linear.codes.numel() == panel * 512 // 2  # half a byte a weight, as in the file
+    values = torch.from_numpy(gguf.quants.dequantize(raw, ggml_type))
+    back = linear.rows(torch.arange(5))
+    rows = torch.arange(5)
+    scales = _from_panels(linear.scales, rows).float().repeat_interleave(32, dim=1)
+    mins = _from_panels(linear.mins, rows).float().repeat_interleave(32, dim=1)
+    bound = (15 * scales.abs() + mins.abs()) * 2.0**-11 + 1e-7
+    assert ((back - values).abs() <= bound).all()
+    assert torch.equal(back[0, :32], torch.zeros(32))
+
+
+@pytest.mark.parametrize("qtype", ["Q5_K", "Q6_K", "Q5_1"])
 def test_other_types_requantize_to_8_bit_groups_within_half_a_step(qtype):
     """K-quants (which the `gguf` package cannot write) from random blocks: the package's
     dequantized values, requantized to Q8_0-style groups, each within half a step."""
