@@ -14,9 +14,11 @@ loader dequantizes every tensor to fp32. Here each tensor is placed in the model
 - Q4_K weights (most of a Q4_K_M file) become 4-bit codes with offsets: each sub-block of 32
   is a Q4_1 group whose scale d * sc and offset -dmin * m are rounded to fp16 (within 2^-11 of
   each, against a step of 1/15 of the group's range for a requantization);
-- Q5_0 weights become 8-bit codes exactly; every other quantized type (Q5_K, Q6_K, Q5_1, IQ*)
-  is dequantized tensor by tensor (the `gguf` package's numpy reference) and requantized to
-  8-bit groups of 32;
+- Q6_K weights (a Q4_K_M file's LM head and half its V and down projections, and the head of
+  most Q4_0 files) become 6-bit codes with a scale per 16, d * sc rounded to fp16;
+- Q5_0 weights become 8-bit codes exactly; every other quantized type (Q5_K, Q5_1, IQ*) is
+  dequantized tensor by tensor (the `gguf` package's numpy reference) and requantized to 8-bit
+  groups of 32;
 - F32, F16 and BF16 tensors keep their type (F16 linears are packed as fp16 and widened
   exactly); a quantized tensor that fits no group layout is dequantized to bf16.
 
@@ -351,17 +353,42 @@ def group_linear_from_q4_k(raw: np.ndarray, bias: torch.Tensor | None = None) ->
     )
 
 
+def group_linear_from_q6_k(raw: np.ndarray, bias: torch.Tensor | None = None) -> GroupLinear:
+    """A Q6_K weight as a 6-bit `GroupLinear`. A Q6_K super-block of 256 values is 128 bytes
+    of low nibbles, 64 bytes of high pairs, 16 int8 scales sc (one per 16 values) and fp16 d:
+    w = d sc (q - 32), q in [0, 63], in the order of the `gguf` package's dequantizer."""
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, 210)
+    supers = blocks.shape[1]
+    ql = blocks[..., :128].reshape(rows, supers, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    qh = blocks[..., 128:192].reshape(rows, supers, 2, 1, 32)
+    qh = qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    codes = (ql & 15).reshape(rows, supers, 8, 32) | (qh & 3).reshape(rows, supers, 8, 32) << 4
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
+    return GroupLinear(
+        torch.from_numpy(codes.reshape(rows, -1)),
+        torch.from_numpy((d * sc).reshape(rows, -1)),
+        None,
+        6,
+        bias,
+    )
+
+
 def group_linear_from_values(
     raw: np.ndarray, tensor_type: Any, bias: torch.Tensor | None = None
 ) -> GroupLinear:
     """Any other quantized weight as a `GroupLinear`: Q4_K as 4-bit groups with offsets
-    (`group_linear_from_q4_k`); Q5_0's values exactly as 8-bit codes (q - 16 in [-16, 15] with
-    the file's fp16 scale); every other type (Q5_K, Q6_K, Q5_1, IQ*) dequantized by the `gguf`
-    package and requantized to 8-bit groups of 32 (Q8_0's rule)."""
+    (`group_linear_from_q4_k`), Q6_K as 6-bit codes (`group_linear_from_q6_k`); Q5_0's values
+    exactly as 8-bit codes (q - 16 in [-16, 15] with the file's fp16 scale); every other type
+    (Q5_K, Q5_1, IQ*) dequantized by the `gguf` package and requantized to 8-bit groups of 32
+    (Q8_0's rule)."""
     from gguf import dequantize
 
     if tensor_type.name == "Q4_K":
         return group_linear_from_q4_k(raw, bias)
+    if tensor_type.name == "Q6_K":
+        return group_linear_from_q6_k(raw, bias)
 
     values = torch.from_numpy(dequantize(np.ascontiguousarray(raw), tensor_type))
     rows = values.shape[0]

@@ -239,13 +239,15 @@ def _from_panels(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 class GroupLinear(nn.Module):
     """`y = x @ w.T + bias` with w in groups of 32 consecutive k of one output channel, each
     with an fp16 scale d (and an fp16 offset m for asymmetric 4-bit codes): w = d q (`bits=8`,
-    q in [-127, 127]: GGUF's Q8_0), d (q - 8) (`bits=4` without offsets, q in [0, 15]: Q4_0) or
-    d q + m (`bits=4` with offsets: Q4_1, and `quantization="int4"`). Packed once into panels
-    with each channel's codes for 4 (8-bit, stored as q + 128) or 8 (4-bit, k = 8i + j in the
-    low nibble of byte j, 8i + 4 + j in the high one) consecutive k in one 32-bit lane; every
-    step runs `ember_cpu::group_linear`, which quantizes x to int8 per group of 32 and sums the
-    products in int32 (llama.cpp's scheme; see the kernel). `codes [N, K]`, `scales`/`mins
-    [N, K / 32]`."""
+    q in [-127, 127]: GGUF's Q8_0), d (q - 8) (`bits=4` without offsets, q in [0, 15]: Q4_0),
+    d q + m (`bits=4` with offsets: Q4_1, Q4_K, and `quantization="int4"`) or d (q - 32) with a
+    scale per 16 k (`bits=6`, q in [0, 63]: Q6_K). Packed once into panels with each channel's
+    codes for 4 (8-bit, stored as q + 128) or 8 (4-bit, k = 8i + j in the low nibble of byte j,
+    8i + 4 + j in the high one) consecutive k in one 32-bit lane; 6-bit codes as their low
+    nibbles the 4-bit way, then per group the high pairs of 16 k in a lane (k = 16h + 4c + j in
+    bits 2c of byte j). Every step runs `ember_cpu::group_linear`, which quantizes x to int8 per
+    group of 32 and sums the products in int32 (llama.cpp's scheme; see the kernel).
+    `codes [N, K]`, `scales`/`mins [N, K / 32]` (`bits=6`: scales `[N, K / 16]`)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -262,13 +264,14 @@ class GroupLinear(nn.Module):
     ) -> None:
         super().__init__()
         kernels.prebuild()  # laid out for the build's panel width; `forward` waits for it
-        if bits not in (4, 8):
-            raise ValueError(f"GroupLinear: bits must be 4 or 8, got {bits}")
+        if bits not in (4, 6, 8):
+            raise ValueError(f"GroupLinear: bits must be 4, 6 or 8, got {bits}")
         n, k = codes.shape
-        if k % GROUP_SIZE or scales.shape != (n, k // GROUP_SIZE):
+        per_scale = 16 if bits == 6 else GROUP_SIZE
+        if k % GROUP_SIZE or scales.shape != (n, k // per_scale):
             raise ValueError(
                 f"GroupLinear: codes [{n}, {k}] need K a multiple of {GROUP_SIZE} and scales "
-                f"[{n}, {k // GROUP_SIZE}], got {tuple(scales.shape)}"
+                f"[{n}, {k // per_scale}], got {tuple(scales.shape)}"
             )
         if mins is not None and (bits != 4 or mins.shape != scales.shape):
             raise ValueError("GroupLinear: offsets (mins) are for 4-bit codes, shaped as scales")
@@ -276,8 +279,14 @@ class GroupLinear(nn.Module):
         if bits == 8:
             stored = (codes.to(torch.int16) + 128).to(torch.uint8)
         else:
-            octets = codes.to(torch.uint8).view(n, k // 8, 2, 4)
+            octets = (codes.to(torch.uint8) & 15).view(n, k // 8, 2, 4)
             stored = (octets[:, :, 0] | (octets[:, :, 1] << 4)).view(n, k // 2)
+        if bits == 6:  # each group's 16 nibble bytes, then its 8 bytes of high pairs
+            pairs = (codes.to(torch.uint8) >> 4).view(n, k // 16, 4, 4)
+            high = pairs[:, :, 0] | pairs[:, :, 1] << 2 | pairs[:, :, 2] << 4 | pairs[:, :, 3] << 6
+            groups = k // GROUP_SIZE
+            stored = torch.cat((stored.view(n, groups, 16), high.view(n, groups, 8)), dim=2)
+            stored = stored.view(n, groups * 24)
         self.register_buffer("codes", _quad_panels(stored))
         self.register_buffer("scales", _panels(scales.to(torch.float16)))
         self.register_buffer("mins", None if mins is None else _panels(mins.to(torch.float16)))
@@ -300,7 +309,15 @@ class GroupLinear(nn.Module):
         the reference the kernel is tested against)."""
         if isinstance(ids, slice):
             ids = torch.arange(self.out_features)[ids]
-        stored = _from_panels(self.codes, ids)  # [..., K / 4 or K / 8, 4]
+        stored = _from_panels(self.codes, ids)  # [..., K / 4, K / 8 or 6 K / 32, 4]
+        if self.bits == 6:
+            lanes = stored.unflatten(-2, (-1, 6))  # [..., groups, 6 lanes, 4]
+            nibbles = lanes[..., :4, :]
+            high = lanes[..., 4:, :].unsqueeze(-2) >> torch.tensor([0, 2, 4, 6])[:, None] & 3
+            low = torch.stack((nibbles & 15, nibbles >> 4), dim=-2).flatten(-3)
+            codes = (low | high.flatten(-3) << 4).flatten(-2).to(torch.int16) - 32
+            scales = _from_panels(self.scales, ids).float()[..., None]
+            return (codes.unflatten(-1, (-1, 16)).float() * scales).flatten(-2)
         if self.bits == 8:
             codes = stored.flatten(-2).to(torch.int16) - 128
         else:
@@ -316,7 +333,7 @@ class GroupLinear(nn.Module):
         return w.flatten(-2)
 
     def extra_repr(self) -> str:
-        kind = {8: "q8_0", 4: "q4_1" if self.mins is not None else "q4_0"}[self.bits]
+        kind = {8: "q8_0", 6: "q6_k", 4: "q4_1" if self.mins is not None else "q4_0"}[self.bits]
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind} groups"
 
 

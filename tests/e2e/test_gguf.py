@@ -280,7 +280,28 @@ def test_q4_k_becomes_4_bit_groups_with_offsets_within_fp16_rounding():
     assert torch.equal(back[0, :32], torch.zeros(32))
 
 
-@pytest.mark.parametrize("qtype", ["Q5_K", "Q6_K", "Q5_1"])
+def test_q6_k_becomes_6_bit_codes_with_a_scale_per_16_within_fp16_rounding():
+    """Q6_K from random blocks: 6-bit codes (three quarters of a byte a weight) with a scale
+    d * sc per 16 values, each value within the fp16 rounding of its scale of the `gguf`
+    package's dequantized value."""
+    from ember.compiler.gguf import group_linear_from_values
+
+    raw = _random_blocks("Q6_K", 5, 512)
+    ggml_type = gguf.GGMLQuantizationType.Q6_K
+    linear = group_linear_from_values(raw, ggml_type)
+    assert linear.bits == 6 and linear.mins is None
+    panel = linear.codes.shape[2]
+    assert linear.codes.numel() == panel * 512 * 6 // 8
+    values = torch.from_numpy(gguf.quants.dequantize(raw, ggml_type))
+    back = linear.rows(torch.arange(5))
+    scales = _from_panels(linear.scales, torch.arange(5)).float().repeat_interleave(16, dim=1)
+    assert ((back - values).abs() <= 32 * scales.abs() * 2.0**-11 + 1e-7).all()
+    assert ((back - values).norm() / values.norm()).item() < 1e-3
+    x = torch.randn(3, 512)
+    torch.testing.assert_close(linear(x), x @ back.t(), rtol=0.02, atol=0.05 * 512**0.5)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_K", "Q5_1"])
 def test_other_types_requantize_to_8_bit_groups_within_half_a_step(qtype):
     """K-quants (which the `gguf` package cannot write) from random blocks: the package's
     dequantized values, requantized to Q8_0-style groups, each within half a step."""

@@ -230,10 +230,10 @@ def test_bf16_pairs_layout_and_contract():
         torch.ops.ember_cpu.packed_linear(x[:, :60], packed, None, b, 45)
 
 
-# ---- group-quantized weights (GGUF Q8_0 / Q4_0 / Q4_1, int4) ----
+# ---- group-quantized weights (GGUF Q8_0 / Q6_K / Q4_0 / Q4_1, int4) ----
 
-GROUP_KINDS = [(8, True), (4, True), (4, False)]
-GROUP_IDS = ["q8_0", "q4_0", "q4_1"]
+GROUP_KINDS = [(8, True), (6, True), (4, True), (4, False)]
+GROUP_IDS = ["q8_0", "q6_k", "q4_0", "q4_1"]
 
 
 def _quantized_x(x: torch.Tensor) -> torch.Tensor:
@@ -247,20 +247,23 @@ def _quantized_x(x: torch.Tensor) -> torch.Tensor:
 
 def _group_case(rows: int, n: int, k: int, bits: int, symmetric: bool, bias: bool = True):
     """Random codes and fp16 scales/offsets, and the float64 product of the quantized x with
-    their values written out: w = d q (8-bit), d (q - 8) (4-bit symmetric), d q + m (4-bit
-    asymmetric)."""
+    their values written out: w = d q (8-bit), d (q - 32) with a scale per 16 (6-bit),
+    d (q - 8) (4-bit symmetric), d q + m (4-bit asymmetric)."""
     g = torch.Generator().manual_seed(rows * 7919 + n * 31 + k + bits)
     x = torch.randn(rows, k, generator=g)
-    low, high = (-127, 128) if bits == 8 else (0, 16)
+    low, high = {8: (-127, 128), 6: (0, 64), 4: (0, 16)}[bits]
     codes = torch.randint(low, high, (n, k), generator=g).to(
         torch.int8 if bits == 8 else torch.uint8
     )
-    scales = (torch.rand(n, k // 32, generator=g) * 0.1 + 0.001).half()
+    per_scale = 16 if bits == 6 else 32
+    scales = (torch.rand(n, k // per_scale, generator=g) * 0.1 + 0.001).half()
     mins = None if symmetric else (torch.randn(n, k // 32, generator=g) * 0.3).half()
     b = torch.randn(n, generator=g) if bias else None
-    q = codes.double().view(n, -1, 32)
+    q = codes.double().view(n, -1, per_scale)
     if bits == 4 and symmetric:
         q = q - 8
+    if bits == 6:
+        q = q - 32
     w = q * scales.double()[..., None]
     if mins is not None:
         w = w + mins.double()[..., None]
@@ -312,7 +315,7 @@ def test_group_linear_contract():
     for rows in (0, 1, 13):
         args = (torch.randn(rows, 64), linear.codes, linear.scales, linear.mins, b, 45, 4)
         torch.library.opcheck(torch.ops.ember_cpu.group_linear.default, args)
-    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+    with pytest.raises(RuntimeError, match="bits must be 4, 6 or 8"):
         torch.ops.ember_cpu.group_linear(x, linear.codes, linear.scales, None, b, 45, 5)
     with pytest.raises(RuntimeError, match="offsets are for 4-bit"):
         torch.ops.ember_cpu.group_linear(x, linear.codes, linear.scales, linear.scales, b, 45, 8)
@@ -320,10 +323,20 @@ def test_group_linear_contract():
         torch.ops.ember_cpu.group_linear(x[:, :32], linear.codes, linear.scales, None, b, 45, 4)
     with pytest.raises(ValueError, match="multiple of 32"):
         GroupLinear(codes[:, :40], scales, None, 4)
+    six = GroupLinear(codes.to(torch.uint8) * 4, scales.repeat_interleave(2, dim=1), None, 6, b)
+    assert six.codes.shape == (-(-45 // panel), 12, panel, 4)  # 6 bits a weight
+    assert six.scales.shape == (-(-45 // panel), 4, panel)  # a scale per 16
+    for rows in (0, 1, 13):
+        args = (torch.randn(rows, 64), six.codes, six.scales, None, b, 45, 6)
+        torch.library.opcheck(torch.ops.ember_cpu.group_linear.default, args)
+    with pytest.raises(RuntimeError, match="scales and mins must be"):
+        torch.ops.ember_cpu.group_linear(x, six.codes, linear.scales, None, b, 45, 6)
+    with pytest.raises(ValueError, match=r"scales \[45, 4\]"):
+        GroupLinear(codes, scales, None, 6)
     # quantize_groups: llama.cpp's rules, each weight within half a step of its group's scale
     # (Q4_0 clips the far end of its range, +8 steps: up to one step there).
     w = torch.randn(7, 96)
-    for bits, symmetric in GROUP_KINDS:
+    for bits, symmetric in [(8, True), (4, True), (4, False)]:  # no 6-bit quantizer
         c, d, m = quantize_groups(w, bits, symmetric)
         back = GroupLinear(c, d, m, bits).rows(torch.arange(7))
         step = d.float().repeat_interleave(32, dim=1).abs()

@@ -441,6 +441,9 @@ constexpr int64_t kPanelDepth = 1024;
 #define EMBER_PANEL_PREFETCH 4096
 #endif
 constexpr int64_t kPanelPrefetchBytes = EMBER_PANEL_PREFETCH;
+#ifndef EMBER_G6
+#define EMBER_G6 4
+#endif
 
 // y[m0 .. m0+MR-1, n .. n+cols-1] (+)= x[.., k0:k1] @ panel[k0:k1]; after the last k slice,
 // times scales and plus bias (both kPanel long, padded). `first`: y is not read.
@@ -880,9 +883,11 @@ struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> scale;
   std::vector<int32_t> sum;
+  std::vector<int32_t> half;  // the sum of each group's first 16 (6-bit weights: two scales)
 };
 
-inline void quantize_group(const float* x, int8_t* q, float* scale, int32_t* sum) {
+inline void quantize_group(const float* x, int8_t* q, float* scale, int32_t* sum,
+                           int32_t* half) {
   float amax = 0.f;
   for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(x[k]));
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -892,13 +897,15 @@ inline void quantize_group(const float* x, int8_t* q, float* scale, int32_t* sum
     const int32_t v = static_cast<int32_t>(std::nearbyint(x[k] * inv));
     q[k] = static_cast<int8_t>(v);
     s += v;
+    if (k == kGroup / 2 - 1) *half = s;
   }
   *sum = s;
 }
 
 #ifdef EMBER_SIMD
 #if defined(__AVX512F__)
-inline void quantize_group_simd(const float* x, int8_t* q, float* scale, int32_t* sum) {
+inline void quantize_group_simd(const float* x, int8_t* q, float* scale, int32_t* sum,
+                               int32_t* half) {
   const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
   const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
@@ -907,10 +914,12 @@ inline void quantize_group_simd(const float* x, int8_t* q, float* scale, int32_t
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
   *scale = amax / 127.f;
-  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  *half = _mm512_reduce_add_epi32(q0);
+  *sum = *half + _mm512_reduce_add_epi32(q1);
 }
 #else
-inline void quantize_group_simd(const float* x, int8_t* q, float* scale, int32_t* sum) {
+inline void quantize_group_simd(const float* x, int8_t* q, float* scale, int32_t* sum,
+                               int32_t* half) {
   __m256 v[4];
   __m256 m = _mm256_setzero_ps();
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -930,12 +939,15 @@ inline void quantize_group_simd(const float* x, int8_t* q, float* scale, int32_t
   const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
                                                  _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p8);
-  __m256i s = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
-  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+  const auto hsum = [](__m256i s) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    return _mm_cvtsi128_si32(t);
+  };
   *scale = amax / 127.f;
-  *sum = _mm_cvtsi128_si32(t);
+  *half = hsum(_mm256_add_epi32(qi[0], qi[1]));
+  *sum = *half + hsum(_mm256_add_epi32(qi[2], qi[3]));
 }
 #endif
 #endif
@@ -943,13 +955,15 @@ inline void quantize_group_simd(const float* x, int8_t* q, float* scale, int32_t
 QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t G = K / kGroup;
   QuantizedRows out{std::vector<int8_t>(M * K), std::vector<float>(M * G),
-                    std::vector<int32_t>(M * G)};
+                    std::vector<int32_t>(M * G), std::vector<int32_t>(M * G)};
   at::parallel_for(0, M * G, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {  // group i of the flattened x: row i / G, group i % G
 #ifdef EMBER_SIMD
-      quantize_group_simd(x + i * kGroup, out.q.data() + i * kGroup, &out.scale[i], &out.sum[i]);
+      quantize_group_simd(x + i * kGroup, out.q.data() + i * kGroup, &out.scale[i], &out.sum[i],
+                          &out.half[i]);
 #else
-      quantize_group(x + i * kGroup, out.q.data() + i * kGroup, &out.scale[i], &out.sum[i]);
+      quantize_group(x + i * kGroup, out.q.data() + i * kGroup, &out.scale[i], &out.sum[i],
+                     &out.half[i]);
 #endif
     }
   });
@@ -974,12 +988,21 @@ inline vfloat icvt(vint v) { return _mm512_cvtepi32_ps(v); }
 inline vint isub(vint a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
 inline vint iadd(vint a, vint b) { return _mm512_add_epi32(a, b); }
 inline vint flip_bytes(vint v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
+inline vint ior(vint a, vint b) { return _mm512_or_si512(a, b); }
+// Bits 4-5 of each byte: the 2-bit field at bit S of each byte of v moved there (6-bit codes).
+template <int S>
+inline vint high_pair(vint v) {
+  const vint mask = _mm512_set1_epi8(0x30);
+  if constexpr (S < 4) return _mm512_and_si512(_mm512_slli_epi16(v, 4 - S), mask);
+  if constexpr (S == 4) return _mm512_and_si512(v, mask);
+  return _mm512_and_si512(_mm512_srli_epi16(v, S - 4), mask);
+}
 #if defined(__AVX512VNNI__)
 #define EMBER_VNNI 1
 // acc += unsigned bytes a . signed bytes b, 4 per 32-bit lane.
 inline vint dot_u8s8(vint acc, vint a, vint b) { return _mm512_dpbusd_epi32(acc, a, b); }
 #else
-inline vint dot_u8s8(vint acc, vint a, vint b) {  // a <= 15 (4-bit codes): no saturation
+inline vint dot_u8s8(vint acc, vint a, vint b) {  // a <= 63 (4-, 6-bit codes): no saturation
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)));
 }
 // acc += signed bytes a . signed bytes b: |b| . (a with b's sign), so maddubs does not saturate.
@@ -1006,11 +1029,19 @@ inline vfloat icvt(vint v) { return _mm256_cvtepi32_ps(v); }
 inline vint isub(vint a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
 inline vint iadd(vint a, vint b) { return _mm256_add_epi32(a, b); }
 inline vint flip_bytes(vint v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
+inline vint ior(vint a, vint b) { return _mm256_or_si256(a, b); }
+template <int S>
+inline vint high_pair(vint v) {
+  const vint mask = _mm256_set1_epi8(0x30);
+  if constexpr (S < 4) return _mm256_and_si256(_mm256_slli_epi16(v, 4 - S), mask);
+  if constexpr (S == 4) return _mm256_and_si256(v, mask);
+  return _mm256_and_si256(_mm256_srli_epi16(v, S - 4), mask);
+}
 #if defined(__AVXVNNI__)
 #define EMBER_VNNI 1
 inline vint dot_u8s8(vint acc, vint a, vint b) { return _mm256_dpbusd_avx_epi32(acc, a, b); }
 #else
-inline vint dot_u8s8(vint acc, vint a, vint b) {  // a <= 15 (4-bit codes): no saturation
+inline vint dot_u8s8(vint acc, vint a, vint b) {  // a <= 63 (4-, 6-bit codes): no saturation
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
 }
 inline vint dot_s8s8(vint acc, vint a, vint b) {
@@ -1030,10 +1061,13 @@ inline vint codes8(vint v) { return flip_bytes(v); }
 inline vint dot8(vint acc, vint codes, vint xb) { return dot_s8s8(acc, codes, xb); }
 constexpr int32_t kCode8Bias = 0;
 #endif
-// Rows per register block: 4 vectors per row (two int32 group sums, two fp32 sums).
+// Rows per register block: 4 vectors per row (two int32 group sums, two fp32 sums); 6-bit
+// codes take more registers to unpack.
 constexpr int kGroupRowBlock = kLanes == 16 ? 6 : 2;
+constexpr int kGroup6RowBlock = kLanes == 16 ? EMBER_G6 : 2;
 #else
 constexpr int kGroupRowBlock = 4;
+constexpr int kGroup6RowBlock = 4;
 #endif
 
 // The code of channel j at k in a panel (the scalar path), and its weight.
@@ -1045,12 +1079,17 @@ inline int group_code(const uint8_t* pan, int64_t k, int64_t j) {
 }
 
 // y[m0 .. m0+MR-1, n .. n+cols-1] (+)= x[.., groups g0:g1] @ panel; `first`: y is not read;
-// `bi` (the last slice only): plus bias. xq/dx/xs: the rows' quantized x (QuantizedRows),
-// row r at xq + r * K, dx + r * G, xs + r * G.
+// `bi` (the last slice only): plus bias. xq/dx/xs/xh: the rows' quantized x (QuantizedRows),
+// row r at xq + r * K, dx + r * G, xs + r * G, xh + r * G.
+//
+// 6-bit codes (Q6_K: q + 32 in [0, 63], a scale per 16 k) are laid out per group of 32 k as
+// the 4-bit codes' nibbles (16 bytes a channel), then their high pairs: the 16 k of each half
+// in one 32-bit lane, k = 16h + 4c + t in bits 2c of byte t. Both halves' scales are
+// consecutive rows of `dp`; each half's sum is corrected by 32 times its x sum.
 template <int MR, int Bits, bool Min>
-inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, int64_t K,
-                       const uint8_t* pan, const uint16_t* dp, const uint16_t* mp, int64_t g0,
-                       int64_t g1, float* y, int64_t N, int64_t cols, bool first,
+inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, const int32_t* xh,
+                       int64_t K, const uint8_t* pan, const uint16_t* dp, const uint16_t* mp,
+                       int64_t g0, int64_t g1, float* y, int64_t N, int64_t cols, bool first,
                        const float* bi) {
   const int64_t G = K / kGroup;
   constexpr int64_t kBytes = kGroup * kPanel * Bits / 8;  // codes per group of a panel
@@ -1068,10 +1107,59 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, int
     const char* ahead = reinterpret_cast<const char*>(q) + kPanelPrefetchBytes;
 #pragma GCC unroll 16
     for (int64_t l = 0; l < kBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+    const int8_t* xg = xq + g * kGroup;
+    if constexpr (Bits == 6) {
+      const uint8_t* qh = q + kGroup * kPanel / 2;
+#pragma GCC unroll 2
+      for (int64_t h = 0; h < 2; ++h) {
+        vint s0[MR], s1[MR];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) s0[r] = s1[r] = izero();
+        vint e0 = izero(), e1 = izero();  // a single row's high-nibble sums
+        const vint p0 = iload(qh + 2 * h * kVec), p1 = iload(qh + (2 * h + 1) * kVec);
+#pragma GCC unroll 2
+        for (int64_t u = 0; u < 2; ++u) {
+          const int64_t i = 2 * h + u;
+          const vint b0 = iload(q + 2 * i * kVec), b1 = iload(q + (2 * i + 1) * kVec);
+          const vint lo0 = ior(low_nibbles(b0), u ? high_pair<4>(p0) : high_pair<0>(p0));
+          const vint lo1 = ior(low_nibbles(b1), u ? high_pair<4>(p1) : high_pair<0>(p1));
+          const vint hi0 = ior(high_nibbles(b0), u ? high_pair<6>(p0) : high_pair<2>(p0));
+          const vint hi1 = ior(high_nibbles(b1), u ? high_pair<6>(p1) : high_pair<2>(p1));
+          if constexpr (MR == 1) {
+            const vint xl = ibcast(xg + 8 * i), xhi = ibcast(xg + 8 * i + 4);
+            s0[0] = dot_u8s8(s0[0], lo0, xl);
+            s1[0] = dot_u8s8(s1[0], lo1, xl);
+            e0 = dot_u8s8(e0, hi0, xhi);
+            e1 = dot_u8s8(e1, hi1, xhi);
+          } else {
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; ++r) {
+              const vint xl = ibcast(xg + r * K + 8 * i), xhi = ibcast(xg + r * K + 8 * i + 4);
+              s0[r] = dot_u8s8(dot_u8s8(s0[r], lo0, xl), hi0, xhi);
+              s1[r] = dot_u8s8(dot_u8s8(s1[r], lo1, xl), hi1, xhi);
+            }
+          }
+        }
+        if constexpr (MR == 1) {
+          s0[0] = iadd(s0[0], e0);
+          s1[0] = iadd(s1[0], e1);
+        }
+        const uint16_t* dh = dp + (2 * g + h) * kPanel;
+        const vfloat d0 = vhalf(dh), d1 = vhalf(dh + kLanes);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const int32_t first_half = xh[r * G + g];
+          const int32_t xsum = h == 0 ? first_half : xs[r * G + g] - first_half;
+          const vfloat sx = vset1(dx[r * G + g]);
+          a0[r] = vfma(icvt(isub(s0[r], 32 * xsum)), vmul(d0, sx), a0[r]);
+          a1[r] = vfma(icvt(isub(s1[r], 32 * xsum)), vmul(d1, sx), a1[r]);
+        }
+      }
+      continue;
+    }
     vint s0[MR], s1[MR];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) s0[r] = s1[r] = izero();
-    const int8_t* xg = xq + g * kGroup;
     if constexpr (Bits == 8) {
 #pragma GCC unroll 8
       for (int64_t i = 0; i < kGroup / 4; ++i) {
@@ -1145,6 +1233,31 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, int
     vstore_n(y + r * N + kLanes, a1[r], c1);
   }
 #else
+  if constexpr (Bits == 6) {
+    for (int r = 0; r < MR; ++r) {
+      for (int64_t j = 0; j < cols; ++j) {
+        float acc = first ? 0.f : y[r * N + j];
+        for (int64_t g = g0; g < g1; ++g) {
+          const uint8_t* q = pan + g * kBytes;
+          for (int64_t h = 0; h < 2; ++h) {
+            const float d =
+                static_cast<float>(c10::Half(dp[(2 * g + h) * kPanel + j], c10::Half::from_bits()));
+            int32_t dot = 0;
+            for (int64_t kk = 16 * h; kk < 16 * h + 16; ++kk) {
+              const uint8_t b = q[((kk / 8) * kPanel + j) * 4 + kk % 4];
+              const int nibble = kk % 8 < 4 ? b & 15 : b >> 4;
+              const int pair =
+                  (q[kGroup * kPanel / 2 + (h * kPanel + j) * 4 + kk % 4] >> (2 * ((kk % 16) / 4))) & 3;
+              dot += static_cast<int32_t>(xq[r * K + g * kGroup + kk]) * ((nibble | pair << 4) - 32);
+            }
+            acc += dx[r * G + g] * d * static_cast<float>(dot);
+          }
+        }
+        y[r * N + j] = bi ? acc + bi[j] : acc;
+      }
+    }
+    return;
+  }
   for (int r = 0; r < MR; ++r) {
     for (int64_t j = 0; j < cols; ++j) {
       float acc = first ? 0.f : y[r * N + j];
@@ -1165,9 +1278,9 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, int
 #endif
 }
 
-using GroupKernel = void (*)(const int8_t*, const float*, const int32_t*, int64_t, const uint8_t*,
-                             const uint16_t*, const uint16_t*, int64_t, int64_t, float*, int64_t,
-                             int64_t, bool, const float*);
+using GroupKernel = void (*)(const int8_t*, const float*, const int32_t*, const int32_t*, int64_t,
+                             const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t,
+                             float*, int64_t, int64_t, bool, const float*);
 
 template <int Bits, bool Min, size_t... R>
 constexpr std::array<GroupKernel, sizeof...(R)> group_kernels(std::index_sequence<R...>) {
@@ -1178,10 +1291,12 @@ constexpr std::array<GroupKernel, sizeof...(R)> group_kernels(std::index_sequenc
 template <int Bits, bool Min>
 void group_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const uint16_t* m,
                 const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  static constexpr int kRows = Bits == 6 ? kGroup6RowBlock : kGroupRowBlock;
   static constexpr auto kernels =
-      group_kernels<Bits, Min>(std::make_index_sequence<static_cast<size_t>(kGroupRowBlock)>());
+      group_kernels<Bits, Min>(std::make_index_sequence<static_cast<size_t>(kRows)>());
   const int64_t G = K / kGroup;
   const int64_t panel_bytes = K * kPanel * Bits / 8;
+  const int64_t scale_rows = Bits == 6 ? 2 * G : G;  // 6-bit: a scale per 16 k
   const QuantizedRows xq = quantize_rows(x, M, K);
   for_panel_tasks(
       M, N,
@@ -1189,42 +1304,48 @@ void group_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const u
         alignas(64) float bi[kPanel];
         for (int64_t j = 0; j < kPanel; ++j) bi[j] = bias && j < cols ? bias[n + j] : 0.f;
         const uint8_t* pan = codes + p * panel_bytes;
-        const uint16_t* dp = d + p * G * kPanel;
+        const uint16_t* dp = d + p * scale_rows * kPanel;
         const uint16_t* mp = m ? m + p * G * kPanel : nullptr;
         for (int64_t ga = 0; ga < G; ga += kPanelDepth / kGroup) {
           const int64_t gb = std::min(G, ga + kPanelDepth / kGroup);
           blocks.each([&](int64_t m0, int64_t rows) {
             kernels[rows - 1](xq.q.data() + m0 * K, xq.scale.data() + m0 * G,
-                              xq.sum.data() + m0 * G, K, pan, dp, mp, ga, gb, y + m0 * N + n, N,
-                              cols, ga == 0, gb == G && bias ? bi : nullptr);
+                              xq.sum.data() + m0 * G, xq.half.data() + m0 * G, K, pan, dp, mp,
+                              ga, gb, y + m0 * N + n, N, cols, ga == 0,
+                              gb == G && bias ? bi : nullptr);
           });
         }
       },
-      kGroupRowBlock);
+      kRows);
 }
 
 // y [..., N] = x [..., K] @ w^T (+ bias) for a group-quantized weight (see above): `codes`
-// [P, K / 4, kPanel, 4] (bits 8) or [P, K / 8, kPanel, 4] (bits 4) uint8, `scales` and `mins`
-// (bits 4, asymmetric; else None) [P, K / 32, kPanel] fp16. x quantized to int8 per group of 32,
-// int32 sums, fp32 scaling; y in x's dtype.
+// [P, K / 4, kPanel, 4] (bits 8), [P, K / 8, kPanel, 4] (bits 4) or [P, 6 K / 32, kPanel, 4]
+// (bits 6) uint8, `scales` [P, K / 32, kPanel] fp16 (bits 6: [P, K / 16, kPanel]), `mins`
+// (bits 4, asymmetric; else None) as the scales. x quantized to int8 per group of 32, int32
+// sums, fp32 scaling; y in x's dtype.
 at::Tensor group_linear(const at::Tensor& x_in, const at::Tensor& codes,
                         const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                         const std::optional<at::Tensor>& bias, int64_t N, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "group_linear: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == kPanel && codes.size(3) == 4 &&
-                  codes.is_contiguous() && codes.scalar_type() == at::kByte,
-              "group_linear: codes must be a contiguous uint8 [P, K / ", bits == 8 ? 4 : 8, ", ",
-              kPanel, ", 4] tensor (packed for this CPU ISA)");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "group_linear: bits must be 4, 6 or 8, got ",
+              bits);
+  // 32-bit lanes per group of 32 k: 8 (8-bit), 4 (4-bit), 4 + 2 (6-bit: nibbles, high pairs)
+  const int64_t lanes = bits == 8 ? 8 : bits == 6 ? 6 : 4;
+  TORCH_CHECK(codes.dim() == 4 && codes.size(1) % lanes == 0 && codes.size(2) == kPanel &&
+                  codes.size(3) == 4 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
+              "group_linear: codes must be a contiguous uint8 [P, ", lanes, " K / 32, ", kPanel,
+              ", 4] tensor (packed for this CPU ISA)");
   check_out_features(codes, N);
-  const int64_t K = codes.size(1) * (bits == 8 ? 4 : 8), G = K / kGroup;
-  TORCH_CHECK(K % kGroup == 0, "group_linear: K must be a multiple of ", kGroup);
+  const int64_t G = codes.size(1) / lanes, K = G * kGroup;
   const bool has_min = mins.has_value() && mins->defined();
   TORCH_CHECK(!has_min || bits == 4, "group_linear: offsets are for 4-bit codes only");
+  const int64_t scale_rows = bits == 6 ? 2 * G : G;
   for (const at::Tensor* t : {&scales, has_min ? &*mins : &scales}) {
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
-                    t->size(0) == codes.size(0) && t->size(1) == G && t->size(2) == kPanel,
+                    t->size(0) == codes.size(0) && t->size(1) == scale_rows &&
+                    t->size(2) == kPanel,
                 "group_linear: scales and mins must be contiguous fp16 [", codes.size(0), ", ",
-                G, ", ", kPanel, "]");
+                scale_rows, ", ", kPanel, "]");
   }
   TORCH_CHECK(x_in.size(-1) == K, "group_linear: x has ", x_in.size(-1), " features, w ", K);
   // fp32 contiguous x (every compiled step): no reshape, cast or copy ops, y shaped directly.
@@ -1244,6 +1365,8 @@ at::Tensor group_linear(const at::Tensor& x_in, const at::Tensor& codes,
     float* yp = y.data_ptr<float>();
     if (bits == 8) {
       group_gemm<8, false>(xp, cp, dp, nullptr, bp, yp, M, N, K);
+    } else if (bits == 6) {
+      group_gemm<6, false>(xp, cp, dp, nullptr, bp, yp, M, N, K);
     } else if (has_min) {
       group_gemm<4, true>(xp, cp, dp, mp, bp, yp, M, N, K);
     } else {
