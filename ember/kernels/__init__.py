@@ -93,6 +93,11 @@ def _register_fakes() -> None:
     torch.library.register_fake("ember_cpu::group_linear", _group_linear_fake)
     torch.library.register_fake("ember_cpu::paged_attention", _attention_fake)
     torch.library.register_fake("ember_cpu::apply_token_bitmask", lambda logits, bitmask: None)
+    torch.library.register_fake("ember_cpu::row_max", _row_max_fake)
+
+
+def _row_max_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape[0]), x.new_empty(x.shape[0], dtype=torch.long)
 
 
 def _linear_fake(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Tensor:

@@ -36,7 +36,7 @@ from ember.runtime.config import EngineConfig
 from ember.runtime.logits import apply_controls
 from ember.runtime.multimodal import ImageInputs, VisionGeometry
 from ember.runtime.pooling import PoolingConfig, pool
-from ember.runtime.sampler import non_finite_rows, prompt_logprobs, sample
+from ember.runtime.sampler import non_finite_rows, prompt_logprobs, row_maxima, sample
 from ember.runtime.structured import apply_bitmask, fill_bitmasks
 
 
@@ -175,7 +175,8 @@ class ModelRunner:
         # A request whose logits row is NaN/inf (or whose own logits processor failed) fails
         # alone; the others sample as usual.
         errors = {sampling[i].request_id: error for i, error in failed.items()}
-        for i in set(non_finite_rows(logits)) - failed.keys():
+        maxima, argmax = row_maxima(logits)
+        for i in set(non_finite_rows(logits, maxima)) - failed.keys():
             r = sampling[i]
             errors[r.request_id] = (
                 f"the model's logits for request {r.request_id!r} contain NaN or inf at output "
@@ -184,8 +185,8 @@ class ModelRunner:
             )
         if errors:
             good = [i for i, r in enumerate(sampling) if r.request_id not in errors]
-            sampling, logits = [sampling[i] for i in good], logits[good]
-        tokens, logprobs = sample(logits, sampling, logp) if sampling else ([], {})
+            sampling, logits, argmax = [sampling[i] for i in good], logits[good], argmax[good]
+        tokens, logprobs = sample(logits, sampling, logp, argmax) if sampling else ([], {})
         sampled = {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
         return RunnerOutput(sampled, logprobs, pooled, errors, prompt_lps)
 

@@ -8,10 +8,12 @@ whatever else is in the batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
+from ember import kernels
 from ember.runtime.batch import ScheduledRequest, TokenLogprobs
 
 
@@ -68,11 +70,22 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def non_finite_rows(logits: torch.Tensor) -> list[int]:
+def row_maxima(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest value of each row of `logits [num_seqs, vocab]` and the first index holding
+    it (NaN for a row holding a NaN): ember's `row_max` kernel for fp32 rows (one pass; ATen's
+    max with indices takes ~20 us a 32k-id row), else `torch.max`."""
+    if logits.dtype == torch.float32 and logits.shape[-1] and kernels.loaded_isa() is not None:
+        return torch.ops.ember_cpu.row_max(logits)
+    values, indices = logits.max(dim=-1)
+    return values, indices
+
+
+def non_finite_rows(logits: torch.Tensor, maxima: torch.Tensor | None = None) -> list[int]:
     """Rows of `logits [num_seqs, vocab]` that hold a NaN or +inf, or no finite value at all:
-    nothing can be sampled from them. (-inf entries are masked tokens, which are fine.)"""
-    top = logits.amax(dim=-1)  # NaN propagates through amax
-    return (~torch.isfinite(top)).nonzero().flatten().tolist()
+    nothing can be sampled from them. (-inf entries are masked tokens, which are fine.)
+    `maxima`: the rows' maxima (`row_maxima`), when the caller has them."""
+    top = logits.amax(dim=-1) if maxima is None else maxima  # NaN propagates through amax
+    return [i for i, v in enumerate(top.tolist()) if not math.isfinite(v)]
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
@@ -137,11 +150,12 @@ def sample(
     logits: torch.Tensor,
     requests: list[ScheduledRequest],
     logp: dict[str, torch.Tensor] | None = None,
+    argmax: torch.Tensor | None = None,
 ) -> tuple[list[int], dict[str, TokenLogprobs]]:
     """logits [num_seqs, vocab] (any float dtype) for `requests` in the same order. `logp`:
     request id -> the log-softmax of the model's own logits row, for rows that went through
     logits controls (logprobs are of the model's distribution); other rows' logprobs come
-    from `logits`."""
+    from `logits`. `argmax`: each row's argmax, when the caller has them (`row_maxima`)."""
     raw = x = logits.float()  # penalties below make new tensors: `raw` stays as it is
     params = [r.params for r in requests]
     if any(
@@ -155,7 +169,7 @@ def sample(
             torch.tensor([p.frequency_penalty for p in params]),
             torch.tensor([p.repetition_penalty for p in params]),
         )
-    tokens = x.argmax(dim=-1).tolist()
+    tokens = (argmax if argmax is not None and x is raw else x.argmax(dim=-1)).tolist()
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         sub = x[random_rows] / torch.tensor([params[i].temperature for i in random_rows])[:, None]

@@ -345,13 +345,14 @@ def test_group_linear_contract():
 
 
 def test_avx2_build_passes_the_same_checks():
-    """The AVX2 paths (no AVX-512) on whatever machine runs the tests: these linear checks and
-    the paged-attention kernel's."""
+    """The AVX2 paths (no AVX-512) on whatever machine runs the tests: these linear checks,
+    the paged-attention kernel's and `row_max`'s."""
     attention = str(pathlib.Path(__file__).parents[1] / "attention" / "test_paged_attention.py")
+    row_max = str(pathlib.Path(__file__).parent / "test_row_max.py")
     code = (
         "import sys, pytest; from ember import kernels; kernels.load('avx2'); "
         "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-k', 'not avx2 and not triton and not ipex', "
-        f"{__file__!r}, {attention!r}]))"
+        f"{__file__!r}, {attention!r}, {row_max!r}]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
