@@ -31,6 +31,9 @@ def test_bench_workloads_run_and_report(checkpoint_dir):
             if isinstance(m, PackedLinear)
         )
         assert any(isinstance(m, PackedLinear) for m in model.modules())
+        # The per-step split reads the runner's "ember::forward" profiler range.
+        split = bench.profile_decode_steps(llm, context=8, steps=4)
+        assert 0 < split.graph < split.step and split.linears > 0 and split.host >= 0
         flops = bench.workload_flops(model, tiny)
         cfg = model.config
         # Every projection once, from the config (q/k/v and gate/up run fused, once).

@@ -7,7 +7,9 @@ of prefills and decodes; padding tokens write into the null block and are droppe
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +40,15 @@ from ember.runtime.multimodal import ImageInputs, VisionGeometry
 from ember.runtime.pooling import PoolingConfig, pool
 from ember.runtime.sampler import non_finite_rows, prompt_logprobs, row_maxima, sample
 from ember.runtime.structured import apply_bitmask, fill_bitmasks
+
+
+def _profiled(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A profiler range called `name` while a profiler records (as Dynamo marks its own
+    ranges), else nothing: `torch.profiler.record_function` costs ~5 us a call even with no
+    profiler on, against 0.3 us for this check."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch._C._profiler._RecordFunctionFast(name)
+    return contextlib.nullcontext()
 
 
 class ModelRunner:
@@ -197,7 +208,7 @@ class ModelRunner:
         assert images is not None and self.forwards.vision is not None
         for i in range(images.num_images):
             slots = images.slots(i, request.cross_block_ids, self.config.block_size)
-            with torch.profiler.record_function("ember::vision"):
+            with _profiled("ember::vision"):
                 self.forwards.vision(*self._vision_args(images, i, slots))
 
     def _vision_args(self, images: ImageInputs, i: int, slots: torch.Tensor) -> tuple:
@@ -241,7 +252,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_token_slots(batch.lora_slots)
         # A profiler range (`ember bench` splits a step into graph and host time with it).
-        with torch.profiler.record_function("ember::forward"):
+        with _profiled("ember::forward"):
             return forward(*self._args(batch))
 
     def _args(self, batch: ForwardBatch) -> tuple[torch.Tensor | object, ...]:
