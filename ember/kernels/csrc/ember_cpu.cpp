@@ -1071,6 +1071,31 @@ constexpr int kGroupRowBlock = 4;
 constexpr int kGroup6RowBlock = 4;
 #endif
 
+#ifdef EMBER_SIMD
+// Sums of one lane row of 4-bit (or widened 6-bit) codes, k 8i .. 8i + 7 of a panel's two
+// vectors of channels (lo0/lo1: the low four k, hi0/hi1: the high four), times each row's x
+// (xg: the group's, a row every K). One row in four chains (s, then e for the high k: a decode
+// is latency-bound; the caller adds e to s), more rows in two.
+template <int MR>
+inline void nibble_dots(const int8_t* xg, int64_t K, int64_t i, vint lo0, vint lo1, vint hi0,
+                        vint hi1, vint* s0, vint* s1, vint& e0, vint& e1) {
+  if constexpr (MR == 1) {
+    const vint xl = ibcast(xg + 8 * i), xh = ibcast(xg + 8 * i + 4);
+    s0[0] = dot_u8s8(s0[0], lo0, xl);
+    s1[0] = dot_u8s8(s1[0], lo1, xl);
+    e0 = dot_u8s8(e0, hi0, xh);
+    e1 = dot_u8s8(e1, hi1, xh);
+  } else {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const vint xl = ibcast(xg + r * K + 8 * i), xh = ibcast(xg + r * K + 8 * i + 4);
+      s0[r] = dot_u8s8(dot_u8s8(s0[r], lo0, xl), hi0, xh);
+      s1[r] = dot_u8s8(dot_u8s8(s1[r], lo1, xl), hi1, xh);
+    }
+  }
+}
+#endif
+
 // The code of channel j at k in a panel (the scalar path), and its weight.
 template <int Bits>
 inline int group_code(const uint8_t* pan, int64_t k, int64_t j) {
@@ -1126,20 +1151,7 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
           const vint lo1 = ior(low_nibbles(b1), u ? high_pair<4>(p1) : high_pair<0>(p1));
           const vint hi0 = ior(high_nibbles(b0), u ? high_pair<6>(p0) : high_pair<2>(p0));
           const vint hi1 = ior(high_nibbles(b1), u ? high_pair<6>(p1) : high_pair<2>(p1));
-          if constexpr (MR == 1) {
-            const vint xl = ibcast(xg + 8 * i), xhi = ibcast(xg + 8 * i + 4);
-            s0[0] = dot_u8s8(s0[0], lo0, xl);
-            s1[0] = dot_u8s8(s1[0], lo1, xl);
-            e0 = dot_u8s8(e0, hi0, xhi);
-            e1 = dot_u8s8(e1, hi1, xhi);
-          } else {
-#pragma GCC unroll 8
-            for (int r = 0; r < MR; ++r) {
-              const vint xl = ibcast(xg + r * K + 8 * i), xhi = ibcast(xg + r * K + 8 * i + 4);
-              s0[r] = dot_u8s8(dot_u8s8(s0[r], lo0, xl), hi0, xhi);
-              s1[r] = dot_u8s8(dot_u8s8(s1[r], lo1, xl), hi1, xhi);
-            }
-          }
+          nibble_dots<MR>(xg, K, i, lo0, lo1, hi0, hi1, s0, s1, e0, e1);
         }
         if constexpr (MR == 1) {
           s0[0] = iadd(s0[0], e0);
@@ -1179,20 +1191,7 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
         const vint b0 = iload(q + 2 * i * kVec), b1 = iload(q + (2 * i + 1) * kVec);
         const vint lo0 = low_nibbles(b0), lo1 = low_nibbles(b1);
         const vint hi0 = high_nibbles(b0), hi1 = high_nibbles(b1);
-        if constexpr (MR == 1) {  // four independent chains: a decode is latency-bound
-          const vint xl = ibcast(xg + 8 * i), xh = ibcast(xg + 8 * i + 4);
-          s0[0] = dot_u8s8(s0[0], lo0, xl);
-          s1[0] = dot_u8s8(s1[0], lo1, xl);
-          h0 = dot_u8s8(h0, hi0, xh);
-          h1 = dot_u8s8(h1, hi1, xh);
-        } else {
-#pragma GCC unroll 8
-          for (int r = 0; r < MR; ++r) {
-            const vint xl = ibcast(xg + r * K + 8 * i), xh = ibcast(xg + r * K + 8 * i + 4);
-            s0[r] = dot_u8s8(dot_u8s8(s0[r], lo0, xl), hi0, xh);
-            s1[r] = dot_u8s8(dot_u8s8(s1[r], lo1, xl), hi1, xh);
-          }
-        }
+        nibble_dots<MR>(xg, K, i, lo0, lo1, hi0, hi1, s0, s1, h0, h1);
       }
       if constexpr (MR == 1) {
         s0[0] = iadd(s0[0], h0);
