@@ -28,6 +28,7 @@ OPAQUE_OPS: dict[str, str] = {
     "ember_cpu::pack_linear_weight": "ember.kernels",
     "ember_cpu::pack_bf16_pairs": "ember.kernels",
     "ember_cpu::apply_token_bitmask": "ember.kernels",
+    "ember_cpu::row_max": "ember.kernels",
     "ember_cpu::bf16_linear": "ember.kernels",
     "ember_cpu::fp32_linear": "ember.kernels",
 }
