@@ -129,3 +129,37 @@ def test_the_ember_command_reads_the_cpu_isa_flag():
     assert _cpu_isa(["--prompt", "x"]) == "native"
     # an abbreviation the command's own parser accepts
     assert _cpu_isa(["--prompt", "x", "--cpu", "avx2"]) == "avx2"
+
+
+_FAILED_BUILD_CHILD = """
+from ember import kernels
+kernels.prebuild("native")  # starts the (failing) compiler; the thread's load fails quietly
+try:
+    kernels.load("native")
+except RuntimeError as e:
+    print(e)
+else:
+    raise SystemExit("a failed build loaded")
+assert not kernels.available("native")
+"""
+
+
+def test_a_failed_kernel_build_names_the_library_and_the_compiler_output(tmp_path):
+    import subprocess
+    import sys
+
+    compiler = tmp_path / "cxx"
+    compiler.write_text("#!/bin/sh\necho 'error: no compiler here' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    env = {**os.environ, "CXX": str(compiler), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    child = subprocess.run(
+        [sys.executable, "-c", _FAILED_BUILD_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert "cannot build ember's C++ kernels" in child.stdout
+    assert "error: no compiler here" in child.stdout
+    assert not list((tmp_path / "cache").rglob("*.so*"))  # no library, no stray output

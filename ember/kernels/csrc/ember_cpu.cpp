@@ -1,5 +1,5 @@
 // ember's C++ CPU kernels, registered as `torch.ops.ember_cpu.*` (see ember/kernels/__init__.py).
-// Built once per machine by torch's cpp_extension with -O3 -march=native.
+// Built once per machine (ember/kernels/__init__.py runs the compiler) with -O3 -march=native.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/addmm.h>
