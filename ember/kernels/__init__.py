@@ -46,10 +46,11 @@ Built with `-O3 -march=native` (or, for `cpu_isa="avx2"`, `-march=x86-64-v3`: th
 an AVX-512 machine) into `$XDG_CACHE_HOME/ember/kernels/<isa>-<target>-<hash>`, keyed by source,
 flags, the exact target `-march` resolves to (`ember.host.cpu_target`), torch version and CPU
 ISA; a later process loads the built library (about 0.1 s). -O2 was measured against -O3 (AMD
-EPYC): the GEMVs equal or faster, decode attention 5-15% slower, 12 s against 15 s of compiler. The directory is created 0700 and
-refused (one log line; the kernels are built afresh in a private temporary directory) when
-another user could have written to it (`ember.host.private_dir`). The
-fake (shape) implementations sit beside the build below; `torch.library.opcheck` tests each op.
+EPYC): the GEMVs equal or faster, decode attention 5-15% slower, 12 s against 15 s of compiler.
+The directory is created 0700 and refused (one log line; the kernels are built afresh in a
+private temporary directory) when another user could have written to it
+(`ember.host.private_dir`). The fake (shape) implementations sit beside the build below;
+`torch.library.opcheck` tests each op.
 """
 
 from __future__ import annotations
