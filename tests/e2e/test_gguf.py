@@ -231,6 +231,51 @@ def test_a_cached_config_and_tokenizer_load_with_a_light_reader(gguf_file, tmp_p
     assert ember_gguf._architecture(light, path) == "qwen2"
 
 
+def test_the_readers_metadata_equals_the_gguf_packages_own_parse(tmp_path):
+    """ember parses long metadata arrays (the vocabulary: Gemma 3's full read 4.4 s -> 0.7 s,
+    transformers' value parse 0.9 s -> 0.35 s) into the same parts, data indices, types and
+    values as `gguf.GGUFReader` and transformers' `_gguf_parse_value`: strings (empty, non-
+    ASCII), floats and ints, short arrays and scalars too."""
+    from transformers import modeling_gguf_pytorch_utils as utils
+
+    from ember.compiler import gguf as ember_gguf
+
+    path = str(tmp_path / "meta.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    tokens = ["", "a", "été", "<|im_end|>", "▁the", "x" * 300] * 20
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_array("tokenizer.ggml.scores", [float(i) / 7 for i in range(len(tokens))])
+    writer.add_array("tokenizer.ggml.token_type", [i % 6 for i in range(len(tokens))])
+    writer.add_array("test.short", [1, 2, 3])
+    writer.add_string("test.string", "café")
+    writer.add_uint32("test.uint", 7)
+    writer.add_float32("test.float", 0.25)
+    writer.add_bool("test.bool", True)
+    writer.add_tensor("t", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours, theirs = ember_gguf._open(path), gguf.GGUFReader(path)
+    assert ours.fields.keys() == theirs.fields.keys()
+    original = utils._gguf_parse_value
+    with ember_gguf._fast_value_parser():
+        fast = utils._gguf_parse_value
+    assert utils._gguf_parse_value is original and fast is not original
+    for key, want in theirs.fields.items():
+        got = ours.fields[key]
+        assert (got.data, got.types, len(got.parts)) == (want.data, want.types, len(want.parts))
+        for a, b in zip(got.parts, want.parts, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), key
+        values = [original(want.parts[i], want.types) for i in want.data]
+        assert [fast(got.parts[i], got.types) for i in got.data] == values, key
+    assert [
+        bytes(ours.fields["tokenizer.ggml.tokens"].parts[i]).decode()
+        for i in ours.fields["tokenizer.ggml.tokens"].data
+    ] == tokens
+
+
 def test_group_linear_from_blocks_reads_ggml_layouts_exactly():
     """Each kept type's raw blocks, as `gguf.quants` writes them, give the same weight values
     as the package's own dequantizer."""
