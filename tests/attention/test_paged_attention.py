@@ -181,6 +181,19 @@ def test_paged_attention_many_decodes(backend, head_dim, dtype, window):
     )
 
 
+@pytest.mark.parametrize("specs", [[(299, 1)], [(516, 1), (40, 1)], [(20, 1)]], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [0, 100])
+def test_paged_attention_splits_few_long_decodes(backend, specs, dtype, window):
+    """Fewer decodes than threads have work for: the C++ kernel splits each context into parts
+    (of at least 32 tokens; parts with no positions in a short sequence or outside the window)
+    and merges them by their log-sum-exp."""
+    out, refs, _ = _run_case(backend, specs, 8, 2, 64, 16, dtype, seed=9, sliding_window=window)
+    torch.testing.assert_close(
+        out[: len(refs)].float(), torch.cat(refs), atol=TOL[dtype], rtol=TOL[dtype]
+    )
+
+
 @pytest.mark.parametrize("window", [1, 5, 13])
 def test_paged_attention_sliding_window(backend, window):
     out, refs, _ = _run_case(

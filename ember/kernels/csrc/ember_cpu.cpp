@@ -1425,19 +1425,22 @@ inline void add_weighted_rows(float* acc, const float* p, const C* v, int64_t st
 }
 #endif
 
-// Decode attention straight from the paged cache: one (sequence, K/V head) per task, an online
-// softmax over its context, read one cache block at a time in place (scores of the block first,
-// then one rescale per block, not per position); the query heads of the GQA group share each
-// K/V row. q, out: [T, H, D] float32; cache: [2, num_blocks, block_size, Hkv, D].
+// Decode attention straight from the paged cache: every K/V head of a sequence in one task, so
+// a cache block's rows are read as one contiguous run (16 KB a block for llama-160m) rather
+// than one head's 256-byte row out of every 1 KB; an online softmax over the task's context,
+// read one block at a time in place (scores of the block first, then one rescale per block,
+// not per position); the query heads of a GQA group share each K/V row. Too few sequences to
+// keep every thread busy: each sequence's context is split into parts of at least
+// `split_min_tokens` (flash-decoding), attended in parallel and merged by their log-sum-exp.
+// q, out: [T, H, D] float32; cache: [2, num_blocks, block_size, Hkv, D].
 // With SIMD and D a multiple of the vector width: kLanes scores per transpose-and-add tree, the
 // softmax weights by a vector exp, and the weighted sum of V rows accumulated in registers one
-// D-slice at a time (measured on 32 decodes x 200 tokens of context, llama-160m heads, AMD
-// EPYC: see the commit message).
+// D-slice at a time.
 template <typename C>
 void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
                     const std::vector<int64_t>& seqs, const int64_t* qsl, const int64_t* lens,
                     const int64_t* tables, int64_t max_blocks, int64_t H, float sc,
-                    int64_t sliding_window) {
+                    int64_t sliding_window, int64_t split_min_tokens) {
   const int64_t NB = cache.size(1), BS = cache.size(2), Hkv = cache.size(3), D = cache.size(4);
   const int64_t group = H / Hkv, n = static_cast<int64_t>(seqs.size()), stride = Hkv * D;
   const C* kp = cache.data_ptr<C>();
@@ -1447,45 +1450,59 @@ void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
 #else
   const bool simd = false;
 #endif
-  // Heads per task: all of a sequence's K/V heads when there are enough sequences to keep the
-  // threads busy (a block's rows of every head are then read contiguously, 16 KB at a time for
-  // llama-160m, instead of one 256-byte row out of every 1 KB), else one.
-  const int64_t hc = n >= 4 * at::get_num_threads() ? Hkv : 1;
-  at::parallel_for(0, n * (Hkv / hc), 1, [&](int64_t u0, int64_t u1) {
-    const int64_t states = hc * group;
-    std::vector<float> acc(states * D), qs(states * D), m(states), l(states), s(BS + kLanesMax);
+  const auto first_of = [&](int64_t i) {
+    return sliding_window > 0 ? std::max<int64_t>(0, lens[i] - sliding_window) : 0;
+  };
+  // Parts per sequence: enough tasks for 4 per thread, none shorter than split_min_tokens.
+  const int64_t threads = at::get_num_threads();
+  int64_t parts = 1;
+  if (n < 4 * threads) {
+    int64_t longest = 0;
+    for (int64_t i : seqs) longest = std::max(longest, lens[i] - first_of(i));
+    const int64_t most = std::max<int64_t>(1, longest / std::max<int64_t>(split_min_tokens, 1));
+    parts = std::min((4 * threads + n - 1) / n, most);
+  }
+  // Each part's unnormalized sums: [n * parts, H, D] and its softmax max and sum [n * parts, H].
+  std::vector<float> part_acc, part_m, part_l;
+  if (parts > 1) {
+    part_acc.resize(n * parts * H * D);
+    part_m.resize(n * parts * H);
+    part_l.resize(n * parts * H);
+  }
+  at::parallel_for(0, n * parts, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> acc(H * D), qs(H * D), m(H), l(H), s(BS + kLanesMax);
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t i = seqs[u / (Hkv / hc)], h0 = (u % (Hkv / hc)) * hc, t = qsl[i], len = lens[i];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-      for (int64_t e = 0; e < states; ++e) {  // state e: query head h0 * group + e
-        const float* qr = qp + (t * H + h0 * group + e) * D;
+      const int64_t q_i = u / parts, part = u % parts, i = seqs[q_i], t = qsl[i], len = lens[i];
+      const int64_t first = first_of(i);
+      // This part's blocks of the context [first, len), then its positions.
+      const int64_t b0 = first / BS, blocks = (len - 1) / BS + 1 - b0;
+      const int64_t lo = std::max(first, (b0 + blocks * part / parts) * BS);
+      const int64_t hi = std::min(len, (b0 + blocks * (part + 1) / parts) * BS);
+      for (int64_t e = 0; e < H; ++e) {  // state e: query head e
+        const float* qr = qp + (t * H + e) * D;
         for (int64_t d = 0; d < D; ++d) qs[e * D + d] = qr[d] * sc;
         m[e] = -INFINITY;
         l[e] = 0.f;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = first; start < len;) {
-        const int64_t off = start % BS, count = std::min(BS - off, len - start);
+      for (int64_t start = lo; start < hi;) {
+        const int64_t off = start % BS, count = std::min(BS - off, hi - start);
         const int64_t blk = tables[i * max_blocks + start / BS];
-        if (start + count < len) {  // these heads' rows of the next block: strided unless the
-          // task has every head, so the hardware prefetcher would not fetch them ahead
+        if (start + count < hi) {  // the next block's rows, ahead of the hardware prefetcher
           const int64_t next = tables[i * max_blocks + (start + count) / BS];
-          const int64_t rows = std::min(BS, len - start - count);
-          const int64_t bytes = hc * D * static_cast<int64_t>(sizeof(C));
-          for (int64_t j = 0; j < rows; ++j) {
-            const char* kr = reinterpret_cast<const char*>(kp + ((next * BS + j) * Hkv + h0) * D);
-            const char* vr = reinterpret_cast<const char*>(vp + ((next * BS + j) * Hkv + h0) * D);
-            for (int64_t b = 0; b < bytes; b += 64) {
-              _mm_prefetch(kr + b, _MM_HINT_T0);
-              _mm_prefetch(vr + b, _MM_HINT_T0);
-            }
+          const int64_t bytes = std::min(BS, hi - start - count) * stride *
+                                static_cast<int64_t>(sizeof(C));
+          const char* kr = reinterpret_cast<const char*>(kp + next * BS * stride);
+          const char* vr = reinterpret_cast<const char*>(vp + next * BS * stride);
+          for (int64_t b = 0; b < bytes; b += 64) {
+            _mm_prefetch(kr + b, _MM_HINT_T0);
+            _mm_prefetch(vr + b, _MM_HINT_T0);
           }
         }
-        for (int64_t e = 0; e < states; ++e) {
-          const int64_t h = h0 + e / group;
+        for (int64_t g = 0; g < H; ++g) {
+          const int64_t h = g / group;
           const C* kb = kp + ((blk * BS + off) * Hkv + h) * D;
           const C* vb = vp + ((blk * BS + off) * Hkv + h) * D;
-          const int64_t g = e;  // this state's slot in qs / acc / m / l
           const float* qg = qs.data() + g * D;
           float* ag = acc.data() + g * D;
           float mx = m[g];
@@ -1537,11 +1554,39 @@ void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
         }
         start += count;
       }
-      for (int64_t e = 0; e < states; ++e) {
-        float* o = op + (t * H + h0 * group + e) * D;
+      if (parts > 1) {  // merged below
+        std::copy(acc.begin(), acc.end(), part_acc.begin() + u * H * D);
+        std::copy(m.begin(), m.end(), part_m.begin() + u * H);
+        std::copy(l.begin(), l.end(), part_l.begin() + u * H);
+        continue;
+      }
+      for (int64_t e = 0; e < H; ++e) {
+        float* o = op + (t * H + e) * D;
         const float inv = l[e] > 0.f ? 1.f / l[e] : 0.f;
         for (int64_t d = 0; d < D; ++d) o[d] = acc[e * D + d] * inv;
       }
+    }
+  });
+  if (parts == 1) return;
+  // out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M), M the parts' largest max (a part
+  // with no positions has m = -inf and weight 0).
+  at::parallel_for(0, n * H, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t q_i = r / H, e = r % H;
+      float* o = op + (qsl[seqs[q_i]] * H + e) * D;
+      float mx = -INFINITY, total = 0.f;
+      for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, part_m[(q_i * parts + p) * H + e]);
+      std::fill(o, o + D, 0.f);
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t u = q_i * parts + p;
+        if (part_l[u * H + e] == 0.f) continue;
+        const float w = std::exp(part_m[u * H + e] - mx);
+        total += part_l[u * H + e] * w;
+        const float* a = part_acc.data() + (u * H + e) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += a[d] * w;
+      }
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
   });
 }
@@ -1587,8 +1632,8 @@ void write_slots(at::Tensor& cache, const at::Tensor& key, const at::Tensor& val
 // The torch backend's paged attention for the common case, in one call: write the step's K/V
 // into the cache, then attend every decode (one new token) in place from the blocks into
 // `out` (float32, zeros). Returns flags for what is left to the PyTorch code: 1 = prefill
-// chunks / prefix hits are present; 2 = the decodes were left for the flash-decoding split
-// (fewer (sequence, K/V head) tasks than threads over a context >= 2 * split_min_tokens).
+// chunks / prefix hits are present (2, decodes, is never left: a decode whose context is
+// worth splitting is split here, into parts of at least split_min_tokens).
 int64_t paged_attention_cpu(at::Tensor out, const at::Tensor& query, const at::Tensor& key,
                             const at::Tensor& value, at::Tensor cache,
                             const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
@@ -1604,36 +1649,34 @@ int64_t paged_attention_cpu(at::Tensor out, const at::Tensor& query, const at::T
   const int64_t* qsl = as_int64(query_start_loc, qsl_buf);
   const int64_t* lens = as_int64(seq_lens, lens_buf);
   std::vector<int64_t> decodes;
-  int64_t flags = 0, max_len = 0;
+  int64_t flags = 0;
   for (int64_t i = 0; i < seq_lens.numel(); ++i) {
     const int64_t q_len = qsl[i + 1] - qsl[i];
     if (q_len == 1) {
       decodes.push_back(i);
-      max_len = std::max(max_len, lens[i]);
     } else if (q_len > 1) {
       flags |= 1;
     }
   }
   if (decodes.empty()) return flags;
-  const int64_t tasks = static_cast<int64_t>(decodes.size()) * Hkv;
-  if (tasks < at::get_num_threads() && max_len >= 2 * split_min_tokens) return flags | 2;
   const at::Tensor q = query.to(at::kFloat).contiguous();
   const int64_t* tables = as_int64(block_tables, tables_buf);
   const int64_t max_blocks = block_tables.size(1);
   const float sc = static_cast<float>(scale);
   if (cache.scalar_type() == at::kFloat) {
     attend_decodes<float>(out.data_ptr<float>(), q.data_ptr<float>(), cache, decodes, qsl, lens,
-                          tables, max_blocks, H, sc, sliding_window);
+                          tables, max_blocks, H, sc, sliding_window, split_min_tokens);
   } else {
     attend_decodes<c10::BFloat16>(out.data_ptr<float>(), q.data_ptr<float>(), cache, decodes,
-                                  qsl, lens, tables, max_blocks, H, sc, sliding_window);
+                                  qsl, lens, tables, max_blocks, H, sc, sliding_window,
+                                  split_min_tokens);
   }
   return flags;
 }
 
-// Below this many tokens of context per partition the flash-decoding split does not pay (the
-// same value as ember.attention.torch_cpu's _SPLIT_MIN_TOKENS).
-constexpr int64_t kSplitMinTokens = 512;
+// The shortest part of a decode's context that the flash-decoding split makes (two blocks of
+// 16; measured on AMD EPYC, llama-160m heads, batch 1: see the commit message).
+constexpr int64_t kSplitMinTokens = 32;
 
 // `ember::paged_attention` (the torch backend's op, contract in ember.attention.ops) with the
 // common case in C++: a decode step runs no Python at all (the Python op's own wrapper cost
