@@ -314,7 +314,8 @@ def format_table(report: Report) -> str:
 
 @dataclass(frozen=True)
 class StepProfile:
-    """Where a batch-1 decode step's time goes (ms per step, medians over steps where timed):
+    """Where a batch-1 decode step's time goes (ms per step, means over the profiled steps, the
+    basis of the profiler's totals, so that graph + host = step even when one step stalls):
     `step` wall time; `graph` inside the forward (compiled region, or the eager forward), split
     into `linears` (every projection and the LM head), `attention` (the paged-attention op) and
     `other` (norms, RoPE, activations: inductor's fused kernels, and guard checks); `host` is
@@ -372,7 +373,7 @@ def profile_decode_steps(llm: Any, context: int = 128, steps: int = 32) -> StepP
     linears = sum(totals.get(k, 0.0) for k in _LINEAR_OPS)
     linears += sum(self_times.get(k, 0.0) for k in _GEMM_OPS)
     attention = sum(totals.get(k, 0.0) for k in _ATTENTION_OPS)
-    step = statistics.median(walls) * 1e3
+    step = statistics.fmean(walls) * 1e3
     linears, attention = linears * per, attention * per
     return StepProfile(
         step=step,
