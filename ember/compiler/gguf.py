@@ -109,20 +109,21 @@ def _open(path: str, light: bool = False) -> Any:
 
         def _get_field_parts(self, offs: int, raw_type: int) -> tuple[int, list, list, list]:
             if raw_type == GGUFValueType.ARRAY and self.byte_order == "I":
-                itype = GGUFValueType(int(self._get(offs, np.uint32)[0]))
-                count = int(self._get(offs + 4, np.uint64)[0])
+                head = [self._get(offs, np.uint32), self._get(offs + 4, np.uint64)]
+                itype, count = GGUFValueType(int(head[0][0])), int(head[1][0])
                 if count >= _LIGHT_ARRAY_MIN and itype != GGUFValueType.ARRAY:
-                    return self._array_parts(offs, itype, count)
+                    return self._array_parts(offs, head, itype, count)
             return super()._get_field_parts(offs, raw_type)
 
-        def _array_parts(self, offs: int, itype: Any, count: int) -> tuple[int, list, list, list]:
-            """A long array of scalars or strings in the parts gguf's own parser gives (the
-            count, then one part per scalar, or a length part and a bytes part per string),
-            made by whole-array numpy operations instead of two reads per element; a light
-            reader leaves them out."""
+        def _array_parts(
+            self, offs: int, head: list, itype: Any, count: int
+        ) -> tuple[int, list, list, list]:
+            """A long array of scalars or strings in the parts gguf's own parser gives (`head`:
+            its item type and count, then one part per scalar, or a length part and a bytes
+            part per string), made by whole-array numpy operations instead of two reads per
+            element; a light reader leaves them out."""
             buf, start = self._array, offs + 12
             types = [GGUFValueType.ARRAY, itype]
-            head = [self._get(offs, np.uint32), self._get(offs + 4, np.uint64)]
             if itype == GGUFValueType.STRING:
                 spans, end = [], start  # (start, length) of each string
                 for _ in range(count):

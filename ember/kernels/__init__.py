@@ -261,8 +261,9 @@ def _build_with(isa: str, cflags: tuple[str, ...]) -> _Build:
     return _Build(os.path.join(build_dir, f"ember_cpu_{key}.so"), command)
 
 
-# Compilers in flight (`prebuild` starts one before its thread runs): library path -> process.
-_compiling: dict[str, subprocess.Popen[bytes]] = {}
+# Compilers in flight (`prebuild` starts one before its thread runs): library path -> the
+# process and the file it writes.
+_compiling: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
 
 
 def _start_compile(build: _Build) -> None:
@@ -273,18 +274,18 @@ def _start_compile(build: _Build) -> None:
         return
     logger.info("building ember_cpu kernels into %s (once per machine)", build.library)
     output = f"{build.library}.{os.getpid()}.tmp"
-    _compiling[build.library] = subprocess.Popen(
+    compiler = subprocess.Popen(
         [*build.command, "-o", output], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
+    _compiling[build.library] = compiler, output
 
 
 def _build_and_load(isa: str) -> None:
     build = _build(isa)
     _start_compile(build)
-    compiler = _compiling.pop(build.library, None)
-    if compiler is not None:
+    if build.library in _compiling:
+        compiler, output = _compiling.pop(build.library)
         log, _ = compiler.communicate()
-        output = f"{build.library}.{os.getpid()}.tmp"
         if compiler.returncode != 0:
             with contextlib.suppress(OSError):
                 os.remove(output)
