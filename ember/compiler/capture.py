@@ -329,7 +329,7 @@ def capture_cross_attention_lm_forward(
             kv_caches=kv_caches,
             **cross,
         ).last_hidden_state[0]
-        return head(hidden[logits_indices])
+        return _head_rows(head, hidden, logits_indices)
 
     return forward
 
@@ -386,10 +386,28 @@ def _capture_decoder_forward(model: PreTrainedModel) -> Callable[..., Any]:
             attn_metadata=attn_metadata,
             kv_caches=kv_caches,
         ).last_hidden_state[0]
-        logits = model.get_output_embeddings()(hidden[logits_indices])
+        logits = _head_rows(model.get_output_embeddings(), hidden, logits_indices)
         return logits + bias[0] if bias is not None else logits
 
     return forward
+
+
+def _one_token(x: torch.Tensor) -> bool:
+    """Whether `x` (the step's tokens or hidden rows) is of the graph of a one-token step (a
+    batch-1 decode). Its `logits_indices` are padded to `MIN_DYNAMIC_SIZE` rows, all 0
+    (`ember.runtime.buckets`), so the LM head runs on the one hidden row and its logits are
+    gathered, rather than the head running once per padded row (a 32k-vocab head is a fifth of
+    a small model's decode step). Static in that graph; False in the dynamic-token graph (a
+    SymInt), so it adds no guard."""
+    num_tokens = x.shape[0]
+    return isinstance(num_tokens, int) and num_tokens == 1
+
+
+def _head_rows(head: Callable[..., Any], hidden: torch.Tensor, logits_indices: torch.Tensor) -> Any:
+    """The LM head at `logits_indices` of `hidden` [num_tokens, d] (see `_one_token`)."""
+    if _one_token(hidden):
+        return head(hidden)[logits_indices]
+    return head(hidden[logits_indices])
 
 
 def capture_forward(model: PreTrainedModel, task: str) -> Callable[..., Any]:
@@ -407,14 +425,15 @@ def capture_forward(model: PreTrainedModel, task: str) -> Callable[..., Any]:
         attn_metadata: Any,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
+        one = _one_token(input_ids)
         out = model(
             input_ids=input_ids[None],
             position_ids=positions[None],
-            logits_to_keep=logits_indices,
+            logits_to_keep=0 if one else logits_indices,  # 0: every row
             use_cache=False,
             attn_metadata=attn_metadata,
             kv_caches=kv_caches,
         )
-        return out.logits[0]
+        return out.logits[0][logits_indices] if one else out.logits[0]
 
     return forward

@@ -261,3 +261,29 @@ def test_compile_cache_round_trip_encoder_decoder_and_embedding(kind, tmp_path):
     assert (cold["hit"], cold["compiled"], cold["loaded"]) == (False, graphs, 0)
     assert (warm["hit"], warm["compiled"], warm["loaded"]) == (True, 0, graphs)
     assert warm["result"] == cold["result"]
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-bart"])
+def test_one_token_step_runs_the_lm_head_on_one_row(checkpoint_dir, tmp_path, family):
+    """A batch-1 decode pads `logits_indices` to two rows (`MIN_DYNAMIC_SIZE`): the head runs on
+    the one hidden row and its logits are gathered (`capture._one_token`), while larger steps
+    run it on the indexed rows only; greedy output still matches HF."""
+    if family == "tiny-bart":
+        from tests.conftest import build_tiny_bart
+
+        d = build_tiny_bart(str(tmp_path / "bart"), vocab_size=96)
+        vocab = 96
+    else:
+        d, vocab = checkpoint_dir(family), 500
+    llm = LLM(model=d, dtype="float32", compile=False, kv_cache_gib=0.01, use_tqdm=False)
+    rows = []
+    head = llm.llm_engine.runner.model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[-2]))
+    prompt = make_prompts(1, seed=3, low=5, high=6, vocab=vocab)[0]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+    hook.remove()
+    assert rows[-3:] == [1, 1, 1]  # the three decode steps
+    assert rows[0] <= 2  # the prefill: its last row (and a padding row), not all 5
+    if family == "tiny-llama":
+        assert out == hf_greedy(d, [prompt], 4)[0]
