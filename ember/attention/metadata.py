@@ -70,10 +70,14 @@ def build_attention_metadata(
     start = 0
     for i in range(num_seqs):
         n, c, table = num_new[i], num_computed[i], block_tables[i]
-        pos = np.arange(c, c + n, dtype=np.int64)
-        blocks = np.asarray(table, dtype=np.int64)
-        positions[start : start + n] = pos
-        slots[start : start + n] = blocks[pos // block_size] * block_size + pos % block_size
+        if n == 1:  # a decode: plain ints (this runs cache-cold after each step's weights)
+            positions[start] = c
+            slots[start] = table[c // block_size] * block_size + c % block_size
+        else:
+            pos = np.arange(c, c + n, dtype=np.int64)
+            blocks = np.asarray(table, dtype=np.int64)
+            positions[start : start + n] = pos
+            slots[start : start + n] = blocks[pos // block_size] * block_size + pos % block_size
         tables[i, : len(table)] = table
         qsl[i] = start
         seq_lens[i] = c + n

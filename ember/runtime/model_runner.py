@@ -24,6 +24,7 @@ from ember.compiler.loader import LoadedModel
 from ember.host import private_dir, zeroed_lazily
 from ember.lora.manager import LoRAManager
 from ember.runtime.batch import (
+    DecodeBuffers,
     ForwardBatch,
     RunnerOutput,
     ScheduledRequest,
@@ -77,6 +78,7 @@ class ModelRunner:
             for heads, head_dim in loaded.kv_layer_shapes
         ]
         self.buckets = config.token_buckets
+        self.decode_buffers = DecodeBuffers()
         self.forwards = build_forwards(
             loaded, self.kv_caches, config.compile, self.buckets, config.freeze_weights
         )
@@ -246,6 +248,7 @@ class ModelRunner:
             self.max_cross_blocks if cross else 0,
             slot_of,
             cross_ranges=cross and self.cross_ranges,
+            buffers=self.decode_buffers,
         )
 
     def _run(self, batch: ForwardBatch, forward: Forward) -> torch.Tensor:
