@@ -152,20 +152,91 @@ def private_dir(path: str, what: str) -> str | None:
     return path
 
 
+def huge_pages_available() -> bool:
+    """Whether anonymous memory can be backed by transparent huge pages (Linux THP "always" or
+    "madvise"; shared anonymous maps are shmem, whose THP setting is usually "never")."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        return False
+    return "[always]" in mode or "[madvise]" in mode
+
+
+def _huge_map(nbytes: int) -> mmap.mmap:
+    """A private anonymous map of `nbytes` (zeroed lazily, page by page as it is touched),
+    advised to use transparent huge pages."""
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    buffer = mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return buffer
+
+
 def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A tensor of zeros in its own anonymous memory map: the OS hands out each page zeroed
     when it is first touched, so a large buffer costs neither a pass over it nor resident
     memory until it is used (the KV cache: `torch.zeros` of the default 4 GiB took 1.1 s and
-    4 GiB of RSS at start-up, whatever the workload). The tensor keeps the map alive."""
+    4 GiB of RSS at start-up, whatever the workload). The map is private and advised to use
+    huge pages (see `move_to_huge_pages`). The tensor keeps the map alive."""
     import torch
 
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    buffer = mmap.mmap(-1, nbytes)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer first-touch faults where THP is on "madvise"
-        buffer.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buffer, dtype=dtype).view(shape)
+    return torch.frombuffer(_huge_map(nbytes), dtype=dtype).view(shape)
+
+
+# Storages smaller than this stay where they are (norm weights, biases: not worth a page).
+_HUGE_MIN_BYTES = 64 * 1024
+_HUGE_ALIGN = 4096
+
+
+def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
+    """Move the storages of `tensors` (a model's weights) into one memory map backed by
+    transparent huge pages, in place: every tensor object keeps its identity, dtype, shape,
+    strides and storage offset, so views and tied weights stay views and ties. Returns the
+    bytes moved (0 where the OS has no huge pages for anonymous memory).
+
+    A decode step streams every weight once: in 4 KiB pages that is a TLB miss and a page
+    walk per 4 KiB (llama-160m Q4_0: ~19,000 per step), which also evicts the TLB entries of
+    the KV cache and of the host code that runs next; 2 MiB pages take 512 times fewer.
+    Storages move one at a time (each old one is freed once its last tensor moved), so the
+    process's peak memory grows by about one storage, not a model.
+    """
+    import torch
+
+    if not huge_pages_available():
+        return 0
+    storages: dict[int, tuple[torch.UntypedStorage, dict[int, torch.Tensor]]] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes() < _HUGE_MIN_BYTES or t.device.type != "cpu":
+            continue
+        storages.setdefault(st.data_ptr(), (st, {}))[1][id(t)] = t  # each tensor once
+    if not storages:
+        return 0
+    offsets, total = {}, 0
+    for key, (st, _) in storages.items():
+        offsets[key] = total
+        total += -(-st.nbytes() // _HUGE_ALIGN) * _HUGE_ALIGN
+    arena = torch.frombuffer(_huge_map(total), dtype=torch.uint8)
+    with torch.no_grad():
+        for key in list(storages):
+            st, views = storages.pop(key)
+            start = offsets[key]
+            region = arena[start : start + st.nbytes()]
+            region.copy_(torch.empty(0, dtype=torch.uint8).set_(st))
+            for t in views.values():
+                size = t.element_size()
+                t.set_(
+                    region.untyped_storage(),
+                    start // size + t.storage_offset(),
+                    t.size(),
+                    t.stride(),
+                )
+            del st, views
+    return total
 
 
 def release_free_heap() -> None:

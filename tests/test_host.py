@@ -86,6 +86,66 @@ def test_zeroed_lazily_is_zero_and_takes_memory_only_where_touched():
     assert host.zeroed_lazily((0, 8), torch.float32).shape == (0, 8)
 
 
+def _huge_kib(t) -> int:
+    """AnonHugePages (KiB) of the mapping holding `t`'s data, from /proc/self/smaps."""
+    addr, found = t.data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                found = start <= addr < end
+            elif found and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+def test_weights_move_to_huge_pages_keeping_identity_views_and_ties():
+    import torch
+
+    base = torch.randn(1024, 1024)  # 4 MiB: spans huge pages
+    view = base[512:]  # shares base's storage
+    tied = torch.nn.Parameter(torch.randn(300, 700), requires_grad=False)
+    small = torch.randn(8)  # under the size floor: stays put
+    half = torch.randn(2000, 300).to(torch.bfloat16).t()  # non-contiguous, 16-bit
+    want = [t.clone() for t in (base, view, tied, small, half)]
+    small_ptr = small.data_ptr()
+    ids = [id(t) for t in (base, view, tied, small, half)]
+    moved = host.move_to_huge_pages([base, view, tied, tied, small, half])
+    if not host.huge_pages_available():
+        assert moved == 0
+        pytest.skip("no transparent huge pages for anonymous memory here")
+    assert moved >= (4 << 20) + 300 * 700 * 4 + 2000 * 300 * 2
+    got = (base, view, tied, small, half)
+    assert [id(t) for t in got] == ids and isinstance(tied, torch.nn.Parameter)
+    for t, w in zip(got, want, strict=True):
+        assert t.dtype == w.dtype and t.shape == w.shape and torch.equal(t, w)
+    assert half.stride() == (1, 300)
+    assert small.data_ptr() == small_ptr
+    assert view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    view[0, 0] = 123.0  # still a view of base
+    assert float(base[512, 0]) == 123.0
+    assert _huge_kib(base) >= 2048
+
+
+def test_a_loaded_models_weights_and_kv_cache_are_in_huge_pages(checkpoint_dir):
+    if not host.huge_pages_available():
+        pytest.skip("no transparent huge pages for anonymous memory here")
+    from ember import LLM
+
+    # a 4 MiB embedding table: the weights span whole huge pages
+    llm = LLM(
+        model=checkpoint_dir("tiny-llama", vocab_size=16384), compile=False, kv_cache_gib=0.05
+    )
+    runner = llm.llm_engine.runner
+    embed = runner.model.get_input_embeddings().weight
+    assert embed.untyped_storage().nbytes() >= 64 * 1024
+    assert _huge_kib(embed) >= 2048
+    cache = runner.kv_caches[0]
+    cache.view(-1)[:: 1 << 18] = 0.0  # touch it
+    assert _huge_kib(cache) >= 2048
+
+
 _PREBUILD_CHILD = """
 import sys
 import torch

@@ -33,7 +33,7 @@ from ember.compiler.quant import (
     quantize_int8_,
     use_kernel_linears_,
 )
-from ember.host import release_free_heap
+from ember.host import move_to_huge_pages, release_free_heap
 from ember.lora.layers import LoRALinear, install_lora
 
 logger = logging.getLogger("ember")
@@ -165,6 +165,10 @@ def _loaded(
     lora_layers: dict[str, LoRALinear] | None = None,
     lora_token_slots: torch.Tensor | None = None,
 ) -> LoadedModel:
+    if lora is None:  # LoRA's slot tensors are also held outside the model: left in place
+        tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+        moved = move_to_huge_pages(list(tensors.values()))
+        logger.debug("weights moved to huge pages: %.1f MB", moved / 1e6)
     release_free_heap()  # after every temporary of the load, the tokenizer's included
     return LoadedModel(
         model=model,
