@@ -46,6 +46,16 @@ class AttentionMetadata:
     cross_row_mask: torch.Tensor | None = None
 
 
+def slot_of(block_table: Sequence[int], position: int, block_size: int) -> int:
+    """The cache slot of a sequence's token at `position`, through its block table."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
+def padding_slots(count: int, block_size: int) -> list[int]:
+    """Slots for `count` padding tokens: round-robin through the null block."""
+    return [NULL_BLOCK * block_size + j % block_size for j in range(count)]
+
+
 def build_attention_metadata(
     num_computed: list[int],
     num_new: list[int],
@@ -72,7 +82,7 @@ def build_attention_metadata(
         n, c, table = num_new[i], num_computed[i], block_tables[i]
         if n == 1:  # a decode: plain ints (this runs cache-cold after each step's weights)
             positions[start] = c
-            slots[start] = table[c // block_size] * block_size + c % block_size
+            slots[start] = slot_of(table, c, block_size)
         else:
             pos = np.arange(c, c + n, dtype=np.int64)
             blocks = np.asarray(table, dtype=np.int64)
@@ -82,10 +92,7 @@ def build_attention_metadata(
         qsl[i] = start
         seq_lens[i] = c + n
         start += n
-    # Padding tokens write round-robin into the null block.
-    slots[num_tokens:] = (
-        NULL_BLOCK * block_size + np.arange(num_tokens_padded - num_tokens) % block_size
-    )
+    slots[num_tokens:] = padding_slots(num_tokens_padded - num_tokens, block_size)
     cross_seq_lens = cross_block_tables = None
     if cross_lens is not None and cross_tables is not None:
         cross_seq_lens = torch.zeros(num_seqs_padded, dtype=torch.int32)

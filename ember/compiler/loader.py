@@ -166,8 +166,7 @@ def _loaded(
     lora_token_slots: torch.Tensor | None = None,
 ) -> LoadedModel:
     if lora is None:  # LoRA's slot tensors are also held outside the model: left in place
-        tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
-        moved = move_to_huge_pages(list(tensors.values()))
+        moved = move_to_huge_pages([*model.parameters(), *model.buffers()])
         logger.debug("weights moved to huge pages: %.1f MB", moved / 1e6)
     release_free_heap()  # after every temporary of the load, the tokenizer's included
     return LoadedModel(

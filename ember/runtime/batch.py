@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ember.attention.metadata import NULL_BLOCK, AttentionMetadata, build_attention_metadata
+from ember.attention.metadata import (
+    NULL_BLOCK,
+    AttentionMetadata,
+    build_attention_metadata,
+    padding_slots,
+    slot_of,
+)
 from ember.runtime.logits import LogitsControls
 from ember.runtime.multimodal import ImageInputs
 from ember.runtime.request import SamplingParams
@@ -321,22 +327,19 @@ class DecodeBuffers:
         n = len(reqs)
         pad_tokens, pad_seqs = num_tokens_padded - n, num_seqs_padded - n
         pos = [r.num_computed_tokens for r in reqs]
-        slots = [
-            r.block_ids[c // block_size] * block_size + c % block_size
-            for r, c in zip(reqs, pos, strict=True)
-        ]
+        slots = [slot_of(r.block_ids, c, block_size) for r, c in zip(reqs, pos, strict=True)]
         tables = []
         for r in reqs:
             tables += r.block_ids
             tables += [NULL_BLOCK] * (max_blocks - len(r.block_ids))
-        # Padding tokens write round-robin into the null block; padding sequences are empty.
+        # Padding sequences are empty.
         i64[:] = (
             [r.token_ids[0] for r in reqs]
             + [0] * pad_tokens
             + pos
             + [0] * pad_tokens
             + slots
-            + [NULL_BLOCK * block_size + j % block_size for j in range(pad_tokens)]
+            + padding_slots(pad_tokens, block_size)
             + list(range(n))
             + [0] * pad_seqs
         )
