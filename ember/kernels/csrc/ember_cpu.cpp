@@ -113,6 +113,7 @@ inline void vstore_n(float* p, vfloat v, int64_t n) { _mm256_maskstore_ps(p, lan
 inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
 inline vfloat vmaxs(vfloat a, float b) { return _mm512_max_ps(a, _mm512_set1_ps(b)); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
 inline vfloat vround(vfloat a) {
   return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
@@ -141,6 +142,7 @@ inline vfloat vsum_lanes(const vfloat* a) {
 inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
 inline vfloat vmaxs(vfloat a, float b) { return _mm256_max_ps(a, _mm256_set1_ps(b)); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
 inline vfloat vround(vfloat a) {
   return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
@@ -1390,38 +1392,158 @@ inline void add_scaled_row(float* acc, float p, const C* v, int64_t D) {
 #ifdef EMBER_SIMD
 // Scores of up to kLanes cache rows at once: lane j = q . k_j for j < L (k_j = k + j * stride),
 // 0 beyond; D a multiple of kLanes. One accumulator per row, summed by one transpose-and-add
-// tree rather than one horizontal reduction per row.
+// tree rather than one horizontal reduction per row. A full set of rows runs the rows' FMA
+// chains interleaved (D-slice outer, row inner): one row's D / kLanes FMAs form a dependent
+// chain, and walking the rows one by one ran at the FMA latency (a third of the step's
+// attention time at llama-160m's D = 64).
 template <typename C>
 inline vfloat row_scores(const float* q, const C* k, int64_t stride, int64_t D, int64_t L) {
   vfloat acc[kLanes];
-  for (int64_t j = 0; j < kLanes; ++j) {
-    acc[j] = vzero();
-    if (j < L) {
+  for (int64_t j = 0; j < kLanes; ++j) acc[j] = vzero();
+  if (L == kLanes && D == 4 * kLanes) {  // D = 64 (AVX-512) / 32 (AVX2): in registers
+#pragma GCC unroll 4
+    for (int64_t d = 0; d < 4 * kLanes; d += kLanes) {
+      const vfloat qd = vload(q + d);
+      const C* kj = k + d;
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < kLanes; ++j, kj += stride) acc[j] = vfma(qd, vwiden(kj), acc[j]);
+    }
+  } else if (L == kLanes) {
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const vfloat qd = vload(q + d);
+      const C* kj = k + d;
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < kLanes; ++j, kj += stride) acc[j] = vfma(qd, vwiden(kj), acc[j]);
+    }
+  } else {
+    for (int64_t j = 0; j < L; ++j) {
       const C* kj = k + j * stride;
       for (int64_t d = 0; d < D; d += kLanes) acc[j] = vfma(vload(q + d), vwiden(kj + d), acc[j]);
     }
   }
   return vsum_lanes(acc);
 }
+
+inline float vmax_all(vfloat v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(v);
+#else
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+#endif
+}
+
+// max(s[0 : n]), n >= 1, a vector at a time (a scalar max or sum over a block's scores is one
+// dependent chain of n operations).
+inline float scores_max(const float* s, int64_t n) {
+  vfloat m = vset1(-INFINITY);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) m = vmax(m, vload(s + j));
+  float mx = vmax_all(m);
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
+  return mx;
+}
+
+// s[j] = exp(s[j] - mx) for j < n; returns their sum.
+inline float exp_scores(float* s, int64_t n, float mx) {
+  const vfloat mv = vset1(mx);
+  vfloat sum = vzero();
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const vfloat e = vexp(vsub(vload(s + j), mv));
+    vstore(s + j, e);
+    sum = vadd(sum, n - j >= kLanes ? e : vload_n(s + j, n - j));
+  }
+  return vsum(sum);
+}
 #endif
 
 #ifdef EMBER_SIMD
-// acc[0 : NV * kLanes] += sum_j p[j] * v_j[0 : NV * kLanes] (v_j = v + j * stride): NV
+// acc[0 : NV * kLanes] = acc * scale + sum_j p[j] * v_j[0 : NV * kLanes] (v_j = v + j * stride): NV
 // independent FMA chains (one chain per D-slice ran at the FMA latency: 16 dependent FMAs per
-// 16-row block).
+// 16-row block); under 8 slices, the even and odd rows feed separate chains, summed at the end.
 template <int NV, typename C>
-inline void add_weighted_rows(float* acc, const float* p, const C* v, int64_t stride,
-                              int64_t count) {
-  vfloat a[NV];
+inline void add_weighted_rows(float* acc, float scale, const float* p, const C* v,
+                              int64_t stride, int64_t count) {
+  constexpr int R = NV >= 8 ? 1 : 2;  // row streams
+  vfloat a[R][NV];
 #pragma GCC unroll 8
-  for (int c = 0; c < NV; ++c) a[c] = vload(acc + c * kLanes);
-  for (int64_t j = 0; j < count; ++j) {
+  for (int c = 0; c < NV; ++c) {
+    a[0][c] = vmul(vload(acc + c * kLanes), vset1(scale));
+    if constexpr (R == 2) a[1][c] = vzero();
+  }
+  int64_t j = 0;
+  for (; j + R <= count; j += R) {
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+      const vfloat pj = vset1(p[j + r]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) {
+        a[r][c] = vfma(pj, vwiden(v + (j + r) * stride + c * kLanes), a[r][c]);
+      }
+    }
+  }
+  for (; j < count; ++j) {
     const vfloat pj = vset1(p[j]);
 #pragma GCC unroll 8
-    for (int c = 0; c < NV; ++c) a[c] = vfma(pj, vwiden(v + j * stride + c * kLanes), a[c]);
+    for (int c = 0; c < NV; ++c) a[0][c] = vfma(pj, vwiden(v + j * stride + c * kLanes), a[0][c]);
   }
 #pragma GCC unroll 8
-  for (int c = 0; c < NV; ++c) vstore(acc + c * kLanes, a[c]);
+  for (int c = 0; c < NV; ++c) {
+    vstore(acc + c * kLanes, R == 2 ? vadd(a[0][c], a[R - 1][c]) : a[0][c]);
+  }
+}
+#endif
+
+#ifdef EMBER_SIMD
+// One cache block's `count` rows (k, v: the block's first row of K / V, rows `stride` apart,
+// KV head h at h * D) attended by every query head: the online softmax's state m, l (per head)
+// and acc ([H, D]) updated. Phase by phase over all heads (scores, then maxima and
+// corrections, then weights, then the weighted V rows), so the heads' short dependent chains
+// (a transpose tree, a max, an exp, a sum) overlap instead of running one after another; a
+// head's rescale by its correction is folded into its weighted sum. `s`: scratch of
+// H * (round_up(count, kLanes)) + 2 * (H + kLanes) floats.
+template <typename C>
+void attend_block(const C* k, const C* v, int64_t stride, int64_t count, int64_t H,
+                  int64_t group, int64_t D, const float* qs, float* acc, float* m, float* l,
+                  float* s) {
+  const int64_t sb = (count + kLanes - 1) / kLanes * kLanes;
+  float* m_new = s + H * sb;
+  float* corr = m_new + H + kLanesMax;
+  for (int64_t g = 0; g < H; ++g) {
+    const C* kh = k + (g / group) * D;
+    for (int64_t j = 0; j < count; j += kLanes) {
+      vstore(s + g * sb + j, row_scores(qs + g * D, kh + j * stride, stride, D,
+                                        std::min(kLanes, count - j)));
+    }
+  }
+  for (int64_t g = 0; g < H; ++g) m_new[g] = std::max(m[g], scores_max(s + g * sb, count));
+  for (int64_t g = 0; g < H; g += kLanes) {  // exp(m - m_new): 0 (as good as) for m = -inf
+    vstore(corr + g, vexp(vsub(vload(m + g), vload(m_new + g))));
+  }
+  for (int64_t g = 0; g < H; ++g) {
+    l[g] = l[g] * corr[g] + exp_scores(s + g * sb, count, m_new[g]);
+    m[g] = m_new[g];
+  }
+  for (int64_t g = 0; g < H; ++g) {
+    const C* vh = v + (g / group) * D;
+    float* ag = acc + g * D;
+    const float* p = s + g * sb;
+    for (int64_t d = 0; d < D;) {  // up to 8 independent FMA chains per block row
+      const int64_t left = (D - d) / kLanes;
+      if (left >= 8) {
+        add_weighted_rows<8>(ag + d, corr[g], p, vh + d, stride, count);
+      } else if (left >= 4) {
+        add_weighted_rows<4>(ag + d, corr[g], p, vh + d, stride, count);
+      } else if (left >= 2) {
+        add_weighted_rows<2>(ag + d, corr[g], p, vh + d, stride, count);
+      } else {
+        add_weighted_rows<1>(ag + d, corr[g], p, vh + d, stride, count);
+      }
+      d += kLanes * (left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1);
+    }
+  }
 }
 #endif
 
@@ -1470,7 +1592,9 @@ void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
     part_l.resize(n * parts * H);
   }
   at::parallel_for(0, n * parts, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<float> acc(H * D), qs(H * D), m(H), l(H), s(BS + kLanesMax);
+    // m padded to whole vectors (attend_block reads it a vector of heads at a time)
+    std::vector<float> acc(H * D), qs(H * D), m(H + kLanesMax), l(H),
+        s(H * (BS + kLanesMax) + 2 * (H + kLanesMax));
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t q_i = u / parts, part = u % parts, i = seqs[q_i], t = qsl[i], len = lens[i];
       const int64_t first = first_of(i);
@@ -1499,6 +1623,14 @@ void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
             _mm_prefetch(vr + b, _MM_HINT_T0);
           }
         }
+#ifdef EMBER_SIMD
+        if (simd) {
+          attend_block(kp + (blk * BS + off) * stride, vp + (blk * BS + off) * stride, stride,
+                       count, H, group, D, qs.data(), acc.data(), m.data(), l.data(), s.data());
+          start += count;
+          continue;
+        }
+#endif
         for (int64_t g = 0; g < H; ++g) {
           const int64_t h = g / group;
           const C* kb = kp + ((blk * BS + off) * Hkv + h) * D;
@@ -1506,17 +1638,7 @@ void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
           const float* qg = qs.data() + g * D;
           float* ag = acc.data() + g * D;
           float mx = m[g];
-#ifdef EMBER_SIMD
-          if (simd) {
-            for (int64_t j = 0; j < count; j += kLanes) {
-              vstore(s.data() + j,
-                     row_scores(qg, kb + j * stride, stride, D, std::min(kLanes, count - j)));
-            }
-          } else
-#endif
-          {
-            for (int64_t j = 0; j < count; ++j) s[j] = dot_row(qg, kb + j * stride, D);
-          }
+          for (int64_t j = 0; j < count; ++j) s[j] = dot_row(qg, kb + j * stride, D);
           for (int64_t j = 0; j < count; ++j) mx = std::max(mx, s[j]);
           if (mx > m[g]) {  // a new maximum: rescale what is summed so far
             const float correction = std::exp(m[g] - mx);
@@ -1524,28 +1646,6 @@ void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
             for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
             m[g] = mx;
           }
-#ifdef EMBER_SIMD
-          if (simd) {
-            for (int64_t j = 0; j < count; j += kLanes) {
-              vstore(s.data() + j, vexp(vsub(vload(s.data() + j), vset1(mx))));
-            }
-            for (int64_t j = 0; j < count; ++j) l[g] += s[j];
-            for (int64_t d = 0; d < D;) {  // up to 8 independent FMA chains per block row
-              const int64_t left = (D - d) / kLanes;
-              if (left >= 8) {
-                add_weighted_rows<8>(ag + d, s.data(), vb + d, stride, count);
-              } else if (left >= 4) {
-                add_weighted_rows<4>(ag + d, s.data(), vb + d, stride, count);
-              } else if (left >= 2) {
-                add_weighted_rows<2>(ag + d, s.data(), vb + d, stride, count);
-              } else {
-                add_weighted_rows<1>(ag + d, s.data(), vb + d, stride, count);
-              }
-              d += kLanes * (left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1);
-            }
-            continue;
-          }
-#endif
           for (int64_t j = 0; j < count; ++j) {
             const float p = std::exp(s[j] - mx);
             l[g] += p;
@@ -1556,7 +1656,7 @@ void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
       }
       if (parts > 1) {  // merged below
         std::copy(acc.begin(), acc.end(), part_acc.begin() + u * H * D);
-        std::copy(m.begin(), m.end(), part_m.begin() + u * H);
+        std::copy(m.begin(), m.begin() + H, part_m.begin() + u * H);
         std::copy(l.begin(), l.end(), part_l.begin() + u * H);
         continue;
       }
