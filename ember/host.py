@@ -11,9 +11,12 @@ import mmap
 import os
 import stat
 import subprocess
+import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
 logger = logging.getLogger("ember")
@@ -173,6 +176,19 @@ def _huge_map(nbytes: int) -> mmap.mmap:
     return buffer
 
 
+# The live maps of `zeroed_lazily`: start address -> (end address, the map, weakly).
+_huge_maps: dict[int, tuple[int, weakref.ref[mmap.mmap]]] = {}
+
+
+def _in_huge_map(address: int) -> bool:
+    for start, (end, ref) in list(_huge_maps.items()):
+        if ref() is None:
+            del _huge_maps[start]
+        elif start <= address < end:
+            return True
+    return False
+
+
 def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A tensor of zeros in its own anonymous memory map: the OS hands out each page zeroed
     when it is first touched, so a large buffer costs neither a pass over it nor resident
@@ -184,7 +200,27 @@ def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(_huge_map(nbytes), dtype=dtype).view(shape)
+    buffer = _huge_map(nbytes)
+    tensor = torch.frombuffer(buffer, dtype=dtype).view(shape)
+    _huge_maps[tensor.data_ptr()] = (tensor.data_ptr() + nbytes, weakref.ref(buffer))
+    return tensor
+
+
+# Weights at least this large are allocated by `weight_zeros` in their own huge-page map.
+_OWN_MAP_MIN_BYTES = 16 << 20
+
+
+def weight_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros for a weight being built (a re-laid-out or fused quantized tensor): a large one in
+    its own lazily zeroed huge-page map (`zeroed_lazily`), resident only as it is written and
+    left in place by `move_to_huge_pages` (a copy there would hold the weight twice); a small
+    one, or where the OS has no huge pages, on the heap."""
+    import torch
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes >= _OWN_MAP_MIN_BYTES and huge_pages_available():
+        return zeroed_lazily(shape, dtype)
+    return torch.zeros(shape, dtype=dtype)
 
 
 # Storages smaller than this stay where they are (norm weights, biases: not worth a page).
@@ -211,7 +247,7 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
     storages: dict[int, tuple[torch.UntypedStorage, dict[int, torch.Tensor]]] = {}
     for t in tensors:
         st = t.untyped_storage()
-        if st.nbytes() < _HUGE_MIN_BYTES or t.device.type != "cpu":
+        if st.nbytes() < _HUGE_MIN_BYTES or t.device.type != "cpu" or _in_huge_map(st.data_ptr()):
             continue
         storages.setdefault(st.data_ptr(), (st, {}))[1][id(t)] = t  # each tensor once
     if not storages:
@@ -221,9 +257,11 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
         offsets[key] = total
         total += -(-st.nbytes() // _HUGE_ALIGN) * _HUGE_ALIGN
     arena = torch.frombuffer(_huge_map(total), dtype=torch.uint8)
+    heap = HeapTrimmer()  # the old storages' heap pages go back as the arena fills
     with torch.no_grad():
         for key in list(storages):
             st, views = storages.pop(key)
+            nbytes = st.nbytes()
             start = offsets[key]
             region = arena[start : start + st.nbytes()]
             region.copy_(torch.empty(0, dtype=torch.uint8).set_(st))
@@ -236,7 +274,36 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
                     t.stride(),
                 )
             del st, views
+            heap.freed(nbytes)
     return total
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+class HeapTrimmer:
+    """Returns the C heap's free pages to the OS (`malloc_trim`) once every `every` bytes of
+    temporaries freed, for loops that convert weights one by one: glibc's mmap threshold
+    adapts upward after large frees, later temporaries come from its heap, and the freed
+    heap stays resident (hundreds of MB over a model) until trimmed."""
+
+    def __init__(self, every: int = 16 << 20) -> None:
+        self.every, self.pending = every, 0
+
+    def freed(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.pending >= self.every:
+            self.pending = 0
+            trim = _malloc_trim()
+            if trim is not None:
+                trim(0)
 
 
 def release_free_heap() -> None:
@@ -249,9 +316,6 @@ def release_free_heap() -> None:
     import gc
 
     gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -128,6 +128,34 @@ def test_weights_move_to_huge_pages_keeping_identity_views_and_ties():
     assert _huge_kib(base) >= 2048
 
 
+def test_weight_zeros_are_lazily_zeroed_maps_that_stay_in_place():
+    import torch
+
+    size = host._OWN_MAP_MIN_BYTES + (1 << 20)
+    big = host.weight_zeros((size,), torch.uint8)
+    small = host.weight_zeros((1000,), torch.float32)
+    assert big.dtype == torch.uint8 and not big.any() and not small.any()
+    if not host.huge_pages_available():
+        pytest.skip("no transparent huge pages for anonymous memory here")
+    big[:] = 7
+    ptr = big.data_ptr()
+    moved = host.move_to_huge_pages([big, small])
+    assert big.data_ptr() == ptr and moved == 0  # already in its own huge-page map
+    assert _huge_kib(big) >= 2048 and int(big.sum()) == 7 * size
+
+
+def test_heap_trimmer_trims_after_enough_bytes(monkeypatch):
+    calls = []
+    monkeypatch.setattr(host, "_malloc_trim", lambda: calls.append)
+    heap = host.HeapTrimmer(every=100)
+    heap.freed(60)
+    assert calls == []
+    heap.freed(60)
+    assert calls == [0]
+    heap.freed(99)
+    assert calls == [0]
+
+
 def test_a_loaded_models_weights_and_kv_cache_are_in_huge_pages(checkpoint_dir):
     if not host.huge_pages_available():
         pytest.skip("no transparent huge pages for anonymous memory here")

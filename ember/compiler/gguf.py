@@ -32,13 +32,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import logging
+import mmap
 import os
 import pickle
 import struct
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -46,9 +48,18 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from ember import kernels
 from ember.compiler.hf_config import UnsupportedModelError
-from ember.compiler.quant import GROUP_SIZE, GroupEmbedding, GroupLinear, quantize_groups
-from ember.host import private_dir, user_cache_dir
+from ember.compiler.quant import (
+    FUSED_PROJECTIONS,
+    GROUP_SIZE,
+    GroupEmbedding,
+    GroupLinear,
+    place_fused,
+    quantize_groups,
+    row_chunk,
+)
+from ember.host import HeapTrimmer, private_dir, user_cache_dir
 
 logger = logging.getLogger("ember")
 
@@ -106,6 +117,22 @@ def _open(path: str, light: bool = False) -> Any:
         @data.setter
         def data(self, value: np.ndarray) -> None:
             self._array = np.asarray(value)  # a view: its base keeps the map open
+            self._map = getattr(value, "_mmap", None)
+
+        def drop_pages(self, array: np.ndarray) -> None:
+            """Unmap the file pages under `array` (a view of the map) from this process: a
+            tensor's bytes, once converted, stop counting in its RSS (the kernel's page
+            cache keeps them; reading them again faults them back in)."""
+            if self._map is None or array.base is None:
+                return
+            start = array.ctypes.data - self._array.ctypes.data
+            if not 0 <= start < self._array.nbytes:
+                return
+            page = mmap.PAGESIZE
+            first = start // page * page
+            end = min(start + array.nbytes, self._array.nbytes)
+            with contextlib.suppress(OSError, ValueError):
+                self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
 
         def _get_field_parts(self, offs: int, raw_type: int) -> tuple[int, list, list, list]:
             if raw_type == GGUFValueType.ARRAY and self.byte_order == "I":
@@ -359,26 +386,94 @@ def _blocks(raw: np.ndarray, rows: int, block_bytes: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw).reshape(rows, -1, block_bytes).copy())
 
 
-def group_linear_from_blocks(
-    raw: np.ndarray, qtype: str, bias: torch.Tensor | None = None
+Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # codes, scales, mins
+Release = Callable[[np.ndarray], None] | None
+
+
+def _converter(qtype: Any) -> tuple[int, Callable[[np.ndarray], Rows]]:
+    """The code width of a quantized GGUF type in a `GroupLinear`, and its rows' converter."""
+    name = qtype.name
+    if name in KEPT_TYPES:
+        return (8 if name == "Q8_0" else 4), functools.partial(_block_rows, qtype=name)
+    if name == "Q4_K":
+        return 4, _q4_k_rows
+    if name == "Q6_K":
+        return 6, _q6_k_rows
+    return 8, functools.partial(_values_rows, tensor_type=qtype)
+
+
+def _row_chunks(raw: np.ndarray, qtype: Any, release: Release) -> Iterator[Rows]:
+    """(codes, scales, mins) of `raw` (a `qtype` tensor's bytes, one row of blocks per output
+    channel) a `row_chunk()` of rows at a time, for `GroupLinear.from_row_chunks`: a
+    conversion's temporaries (codes one byte a value, widened copies) exist for one chunk at a
+    time; over a whole embedding at once they took ~7x its bytes (qwen2-0.5b Q4_0: +1,000 MB
+    of peak RSS for a 350 MB file). `release(part)`, when given, is called with each chunk's
+    bytes once they are converted (the loader drops their file pages and trims the heap)."""
+    from gguf import GGML_QUANT_SIZES
+
+    _, convert = _converter(qtype)
+    values, nbytes = GGML_QUANT_SIZES[qtype]
+    step = row_chunk(raw.shape[1] // nbytes * values)
+    for r in range(0, raw.shape[0], step):
+        part = raw[r : r + step]
+        converted = convert(part)
+        if release is not None:
+            release(part)
+        yield converted
+
+
+def group_linear_from_file(
+    raw: np.ndarray, qtype: Any, bias: torch.Tensor | None = None, release: Release = None
 ) -> GroupLinear:
-    """A `GroupLinear` holding a Q8_0 / Q4_0 / Q4_1 tensor's values exactly. `raw`: the tensor's
-    bytes, one row of blocks per output channel (ggml's layout: Q8_0 blocks are fp16 d and 32
-    int8 codes; Q4_0 fp16 d and 16 bytes whose low nibbles are codes 0-15 and high nibbles
-    16-31; Q4_1 the same after fp16 d and m)."""
+    """A quantized GGUF weight (`raw`: its bytes, `qtype`: its `GGMLQuantizationType`) as a
+    `GroupLinear`, converted a chunk of rows at a time (see `group_linear_from_blocks` and
+    `group_linear_from_values` for what each type becomes)."""
+    bits, _ = _converter(qtype)
+    return GroupLinear.from_row_chunks(raw.shape[0], bits, _row_chunks(raw, qtype, release), bias)
+
+
+def fused_group_linear(
+    parts: list[tuple[np.ndarray, Any, torch.Tensor | None]], release: Release = None
+) -> GroupLinear:
+    """One `GroupLinear` computing the weights `parts` ((bytes, type, bias) of projections of
+    one type and input size, each but the last filling whole panels) side by side, converted
+    straight into the fused layout (`fuse_projections_` would copy every projection again)."""
+    bits, _ = _converter(parts[0][1])
+    rows = sum(raw.shape[0] for raw, _, _ in parts)
+    chunks = itertools.chain.from_iterable(_row_chunks(raw, q, release) for raw, q, _ in parts)
+    bias = None
+    if any(b is not None for _, _, b in parts):
+        bias = torch.cat(
+            [b.detach().float() if b is not None else torch.zeros(len(raw)) for raw, _, b in parts]
+        )
+    return GroupLinear.from_row_chunks(rows, bits, chunks, bias)
+
+
+def _block_rows(raw: np.ndarray, qtype: str) -> Rows:
+    """(codes, scales, mins) of rows of a Q8_0 / Q4_0 / Q4_1 tensor, exactly."""
     rows = raw.shape[0]
     if qtype == "Q8_0":
         blocks = _blocks(raw, rows, 2 + GROUP_SIZE)
         scales = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
-        codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1)
-        return GroupLinear(codes, scales, None, 8, bias)
+        return blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1), scales, None
     head = {"Q4_0": 2, "Q4_1": 4}[qtype]
     blocks = _blocks(raw, rows, head + GROUP_SIZE // 2)
     scales = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
     mins = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0] if head == 4 else None
     packed = blocks[..., head:]
-    codes = torch.cat((packed & 15, packed >> 4), dim=-1).reshape(rows, -1)
-    return GroupLinear(codes, scales, mins, 4, bias)
+    return torch.cat((packed & 15, packed >> 4), dim=-1).reshape(rows, -1), scales, mins
+
+
+def group_linear_from_blocks(
+    raw: np.ndarray, qtype: str, bias: torch.Tensor | None = None, release: Release = None
+) -> GroupLinear:
+    """A `GroupLinear` holding a Q8_0 / Q4_0 / Q4_1 tensor's values exactly. `raw`: the tensor's
+    bytes, one row of blocks per output channel (ggml's layout: Q8_0 blocks are fp16 d and 32
+    int8 codes; Q4_0 fp16 d and 16 bytes whose low nibbles are codes 0-15 and high nibbles
+    16-31; Q4_1 the same after fp16 d and m)."""
+    from gguf import GGMLQuantizationType
+
+    return group_linear_from_file(raw, GGMLQuantizationType[qtype], bias, release)
 
 
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
@@ -386,12 +481,7 @@ KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 DENSE_TYPES = ("F32", "F16", "BF16")
 
 
-def group_linear_from_q4_k(raw: np.ndarray, bias: torch.Tensor | None = None) -> GroupLinear:
-    """A Q4_K weight as a 4-bit `GroupLinear` with offsets. A Q4_K super-block of 256 values is
-    fp16 d and dmin, twelve bytes of 6-bit scales sc and offsets m (one pair per sub-block of
-    32), then 128 bytes whose low nibbles are the codes of sub-block 2i and high nibbles of
-    2i + 1 (bytes 32i to 32i + 31): w = d sc q - dmin m, which is a Q4_1 group with scale
-    d sc and offset -dmin m (rounded to fp16 here)."""
+def _q4_k_rows(raw: np.ndarray) -> Rows:
     from gguf.quants import Q4_K
 
     rows = raw.shape[0]
@@ -404,19 +494,27 @@ def group_linear_from_q4_k(raw: np.ndarray, bias: torch.Tensor | None = None) ->
     mins = -dmin * m.reshape(rows, supers, 8).astype(np.float32)
     qs = blocks[..., 16:].reshape(rows, supers, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
     codes = (qs & 15).reshape(rows, -1)
-    return GroupLinear(
+    return (
         torch.from_numpy(codes),
         torch.from_numpy(scales.reshape(rows, -1)),
         torch.from_numpy(mins.reshape(rows, -1)),
-        4,
-        bias,
     )
 
 
-def group_linear_from_q6_k(raw: np.ndarray, bias: torch.Tensor | None = None) -> GroupLinear:
-    """A Q6_K weight as a 6-bit `GroupLinear`. A Q6_K super-block of 256 values is 128 bytes
-    of low nibbles, 64 bytes of high pairs, 16 int8 scales sc (one per 16 values) and fp16 d:
-    w = d sc (q - 32), q in [0, 63], in the order of the `gguf` package's dequantizer."""
+def group_linear_from_q4_k(
+    raw: np.ndarray, bias: torch.Tensor | None = None, release: Release = None
+) -> GroupLinear:
+    """A Q4_K weight as a 4-bit `GroupLinear` with offsets. A Q4_K super-block of 256 values is
+    fp16 d and dmin, twelve bytes of 6-bit scales sc and offsets m (one pair per sub-block of
+    32), then 128 bytes whose low nibbles are the codes of sub-block 2i and high nibbles of
+    2i + 1 (bytes 32i to 32i + 31): w = d sc q - dmin m, which is a Q4_1 group with scale
+    d sc and offset -dmin m (rounded to fp16 here)."""
+    from gguf import GGMLQuantizationType
+
+    return group_linear_from_file(raw, GGMLQuantizationType.Q4_K, bias, release)
+
+
+def _q6_k_rows(raw: np.ndarray) -> Rows:
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(rows, -1, 210)
     supers = blocks.shape[1]
@@ -426,29 +524,26 @@ def group_linear_from_q6_k(raw: np.ndarray, bias: torch.Tensor | None = None) ->
     codes = (ql & 15).reshape(rows, supers, 8, 32) | (qh & 3).reshape(rows, supers, 8, 32) << 4
     sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
     d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
-    return GroupLinear(
+    return (
         torch.from_numpy(codes.reshape(rows, -1)),
         torch.from_numpy((d * sc).reshape(rows, -1)),
         None,
-        6,
-        bias,
     )
 
 
-def group_linear_from_values(
-    raw: np.ndarray, tensor_type: Any, bias: torch.Tensor | None = None
+def group_linear_from_q6_k(
+    raw: np.ndarray, bias: torch.Tensor | None = None, release: Release = None
 ) -> GroupLinear:
-    """Any other quantized weight as a `GroupLinear`: Q4_K as 4-bit groups with offsets
-    (`group_linear_from_q4_k`), Q6_K as 6-bit codes (`group_linear_from_q6_k`); Q5_0's values
-    exactly as 8-bit codes (q - 16 in [-16, 15] with the file's fp16 scale); every other type
-    (Q5_K, Q5_1, IQ*) dequantized by the `gguf` package and requantized to 8-bit groups of 32
-    (Q8_0's rule)."""
-    from gguf import dequantize
+    """A Q6_K weight as a 6-bit `GroupLinear`. A Q6_K super-block of 256 values is 128 bytes
+    of low nibbles, 64 bytes of high pairs, 16 int8 scales sc (one per 16 values) and fp16 d:
+    w = d sc (q - 32), q in [0, 63], in the order of the `gguf` package's dequantizer."""
+    from gguf import GGMLQuantizationType
 
-    if tensor_type.name == "Q4_K":
-        return group_linear_from_q4_k(raw, bias)
-    if tensor_type.name == "Q6_K":
-        return group_linear_from_q6_k(raw, bias)
+    return group_linear_from_file(raw, GGMLQuantizationType.Q6_K, bias, release)
+
+
+def _values_rows(raw: np.ndarray, tensor_type: Any) -> Rows:
+    from gguf import dequantize
 
     values = torch.from_numpy(dequantize(np.ascontiguousarray(raw), tensor_type))
     rows = values.shape[0]
@@ -457,9 +552,20 @@ def group_linear_from_values(
         scales = torch.from_numpy(blocks[..., :2].copy()).view(torch.float16)[..., 0]
         step = scales.float().repeat_interleave(GROUP_SIZE, dim=1)
         codes = torch.where(step != 0, values / step, 0).round().to(torch.int8)
-        return GroupLinear(codes, scales, None, 8, bias)
+        return codes, scales, None
     codes, scales, _ = quantize_groups(values, 8, symmetric=True)
-    return GroupLinear(codes, scales, None, 8, bias)
+    return codes, scales, None
+
+
+def group_linear_from_values(
+    raw: np.ndarray, tensor_type: Any, bias: torch.Tensor | None = None, release: Release = None
+) -> GroupLinear:
+    """Any other quantized weight as a `GroupLinear`: Q4_K as 4-bit groups with offsets
+    (`group_linear_from_q4_k`), Q6_K as 6-bit codes (`group_linear_from_q6_k`); Q5_0's values
+    exactly as 8-bit codes (q - 16 in [-16, 15] with the file's fp16 scale); every other type
+    (Q5_K, Q5_1, IQ*) dequantized by the `gguf` package and requantized to 8-bit groups of 32
+    (Q8_0's rule)."""
+    return group_linear_from_file(raw, tensor_type, bias, release)
 
 
 def _dense(tensor: Any, qtype: str, data: np.ndarray) -> torch.Tensor:
@@ -504,7 +610,16 @@ def load_gguf_model(
     # Names by the file's own architecture (Mistral files say "llama", which gguf-py maps).
     with _name_maps_built_once():
         names = get_gguf_hf_weights_map(model, processor, model_type=arch)
-    kept: dict[str, tuple[np.ndarray, Any]] = {}
+    # Each tensor's file pages are dropped from the process once it is converted, and the C
+    # heap's freed temporaries returned now and then: qwen2-0.5b Q4_0 (350 MB) loaded with a
+    # peak of +1,000 MB over the imports, +800 MB with the conversions chunked alone.
+    heap, drop_pages = HeapTrimmer(), reader.drop_pages
+
+    def release(part: np.ndarray) -> None:
+        drop_pages(part)
+        heap.freed(part.nbytes * 4)  # the chunk's temporaries: about 4 bytes a byte of it
+
+    kept: dict[str, Any] = {}  # quantized weights, converted once every bias is in place
     for tensor in reader.tensors:
         hf_name = names.get(tensor.name)
         if hf_name is None:
@@ -513,20 +628,39 @@ def load_gguf_model(
         qtype = tensor.tensor_type.name
         module_name, _, attr = hf_name.rpartition(".")
         module = model.get_submodule(module_name)
-        data = _permute_rows(processor, tensor.name, tensor.data)
         if attr == "weight" and qtype not in DENSE_TYPES and _groups_fit(module):
-            kept[module_name] = (data, tensor.tensor_type)
+            kept[module_name] = tensor
             continue
+        data = _permute_rows(processor, tensor.name, tensor.data)
         _set_tensor(module, attr, _dense(tensor, qtype, data), hf_name)
-    for module_name, (data, qtype) in kept.items():
+        del data
+        reader.drop_pages(tensor.data)
+        heap.freed(tensor.n_bytes)
+
+    def bias_of(module_name: str) -> torch.Tensor | None:
         module = model.get_submodule(module_name)
         bias = getattr(module, "bias", None) if isinstance(module, nn.Linear) else None
         if bias is not None and bias.is_meta:
             raise UnsupportedModelError(f"GGUF file {path!r} has no tensor for {module_name}.bias")
-        if qtype.name in KEPT_TYPES:
-            linear = group_linear_from_blocks(data, qtype.name, bias)
-        else:
-            linear = group_linear_from_values(data, qtype, bias)
+        return bias
+
+    for parent, names, group in _fusable_groups(kept):
+        data = [_permute_rows(processor, t.name, t.data) for t in group]
+        biases = [bias_of(f"{parent}.{n}") for n in names]
+        types = [t.tensor_type for t in group]
+        fused = fused_group_linear(list(zip(data, types, biases, strict=True)), release)
+        for name, t in zip(names, group, strict=True):
+            del kept[f"{parent}.{name}"]
+            reader.drop_pages(t.data)
+        del data
+        place_fused(model.get_submodule(parent), names, [int(t.shape[1]) for t in group], fused)
+    for module_name, tensor in kept.items():
+        module = model.get_submodule(module_name)
+        bias = bias_of(module_name)
+        data, qtype = _permute_rows(processor, tensor.name, tensor.data), tensor.tensor_type
+        linear = group_linear_from_file(data, qtype, bias, release)
+        del data
+        reader.drop_pages(tensor.data)
         expected = (module.weight.shape[0], module.weight.shape[1])
         if (linear.out_features, linear.in_features) != expected:
             raise UnsupportedModelError(
@@ -550,6 +684,28 @@ def load_gguf_model(
             f"{', '.join(missing[:3])}"
         )
     return model.eval().requires_grad_(False)
+
+
+def _fusable_groups(kept: dict[str, Any]) -> list[tuple[str, tuple[str, ...], list[Any]]]:
+    """(parent module, projection names, their GGUF tensors) for each group of
+    `FUSED_PROJECTIONS` (q/k/v, gate/up) that converts into one `GroupLinear`: all kept, of one
+    quantized type and input size, every part but the last filling whole panels."""
+    panel = kernels.panel_width()
+    groups = []
+    for module_name in kept:
+        parent, _, child = module_name.rpartition(".")
+        for names in FUSED_PROJECTIONS:
+            if child != names[0]:
+                continue
+            tensors = [kept.get(f"{parent}.{n}") for n in names]
+            if any(t is None for t in tensors):
+                continue
+            if len({(t.tensor_type, int(t.shape[0])) for t in tensors}) != 1:
+                continue  # ggml lists the input size (fastest dim) first
+            if any(int(t.shape[1]) % panel for t in tensors[:-1]):
+                continue
+            groups.append((parent, names, tensors))
+    return groups
 
 
 def _groups_fit(module: nn.Module) -> bool:

@@ -33,13 +33,13 @@ run dtype, since a lookup reads one row of it). Symmetric per-output-channel sca
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from ember import kernels
-from ember.host import cpu_has_amx
+from ember.host import HeapTrimmer, cpu_has_amx, weight_zeros
 
 # Weight-only quantization schemes (`EngineArgs.quantization`).
 QUANTIZATIONS = ("int8", "int4")
@@ -209,6 +209,13 @@ def quantize_int8_(model: nn.Module) -> int:
     return _replace_linears(model, Int8Linear)
 
 
+def row_chunk(in_features: int) -> int:
+    """Rows of a weight with `in_features` columns to convert at a time (a multiple of the
+    panel width, about 4 Mi values): `GroupLinear.from_row_chunks`' unit."""
+    panel = kernels.panel_width()
+    return max(1, (1 << 20) // max(in_features, 1) // panel) * panel
+
+
 def _row_panels(t: torch.Tensor) -> torch.Tensor:
     """[N, C] -> [ceil(N / panel), panel, C]: rows grouped by panel, zeros past N."""
     panel = kernels.panel_width()
@@ -263,19 +270,78 @@ class GroupLinear(nn.Module):
         bias: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
+        self._allocate(codes.shape[0], codes.shape[1], bits, mins is not None, bias)
+        self._pack_rows(0, codes, scales, mins)
+
+    @classmethod
+    def from_row_chunks(
+        cls,
+        out_features: int,
+        bits: int,
+        chunks: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+        bias: torch.Tensor | None = None,
+    ) -> GroupLinear:
+        """A `GroupLinear` built from consecutive row ranges `(codes, scales, mins)` of the
+        weight (as the constructor takes them), each packed into the panels as it arrives: a
+        converter that yields `row_chunk()` rows at a time holds only those rows' temporaries,
+        not several copies of a whole (embedding-sized) weight. Every chunk but the last has a
+        multiple of the panel width of rows."""
+        chunks = iter(chunks)
+        first = next(chunks)
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._allocate(out_features, first[0].shape[1], bits, first[2] is not None, bias)
+        row = self._pack_rows(0, *first)
+        for chunk in chunks:
+            row = self._pack_rows(row, *chunk)
+        if row != out_features:
+            raise ValueError(f"GroupLinear: chunks hold {row} rows, expected {out_features}")
+        return self
+
+    def _allocate(
+        self, n: int, k: int, bits: int, offsets: bool, bias: torch.Tensor | None
+    ) -> None:
+        """Zeroed panels for an [n, k] weight of `bits`-bit codes (see the class doc)."""
         kernels.prebuild()  # laid out for the build's panel width; `forward` waits for it
         if bits not in (4, 6, 8):
             raise ValueError(f"GroupLinear: bits must be 4, 6 or 8, got {bits}")
-        n, k = codes.shape
-        per_scale = 16 if bits == 6 else GROUP_SIZE
-        if k % GROUP_SIZE or scales.shape != (n, k // per_scale):
-            raise ValueError(
-                f"GroupLinear: codes [{n}, {k}] need K a multiple of {GROUP_SIZE} and scales "
-                f"[{n}, {k // per_scale}], got {tuple(scales.shape)}"
-            )
-        if mins is not None and (bits != 4 or mins.shape != scales.shape):
+        if k % GROUP_SIZE:
+            raise ValueError(f"GroupLinear: K must be a multiple of {GROUP_SIZE}, got {k}")
+        if offsets and bits != 4:
             raise ValueError("GroupLinear: offsets (mins) are for 4-bit codes, shaped as scales")
         self.in_features, self.out_features, self.bits = k, n, bits
+        panel = kernels.panel_width()
+        panels = -(-n // panel)
+        code_bytes = {8: k, 4: k // 2, 6: k // GROUP_SIZE * 24}[bits]
+        scale_cols = k // (16 if bits == 6 else GROUP_SIZE)
+        codes = weight_zeros((panels, code_bytes // 4, panel, 4), torch.uint8)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", torch.zeros(panels, scale_cols, panel, dtype=torch.half))
+        mins = torch.zeros(panels, scale_cols, panel, dtype=torch.half) if offsets else None
+        self.register_buffer("mins", mins)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def _pack_rows(
+        self, row: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+    ) -> int:
+        """Pack rows [row, row + len(codes)) into the panels; returns the next row."""
+        n, k = codes.shape
+        bits, panel = self.bits, self.codes.shape[2]
+        per_scale = 16 if bits == 6 else GROUP_SIZE
+        if k != self.in_features or scales.shape != (n, k // per_scale):
+            raise ValueError(
+                f"GroupLinear: codes [{n}, {k}] need K = {self.in_features} and scales "
+                f"[{n}, {k // per_scale}], got {tuple(scales.shape)}"
+            )
+        if (mins is not None) != (self.mins is not None) or (
+            mins is not None and mins.shape != scales.shape
+        ):
+            raise ValueError("GroupLinear: offsets (mins) are for 4-bit codes, shaped as scales")
+        if row % panel or row + n > self.out_features:
+            raise ValueError(
+                f"GroupLinear: rows [{row}, {row + n}) do not start a panel of {panel} or pass "
+                f"{self.out_features} rows"
+            )
         if bits == 8:
             stored = (codes.to(torch.int16) + 128).to(torch.uint8)
         else:
@@ -287,10 +353,12 @@ class GroupLinear(nn.Module):
             groups = k // GROUP_SIZE
             stored = torch.cat((stored.view(n, groups, 16), high.view(n, groups, 8)), dim=2)
             stored = stored.view(n, groups * 24)
-        self.register_buffer("codes", _quad_panels(stored))
-        self.register_buffer("scales", _panels(scales.to(torch.float16)))
-        self.register_buffer("mins", None if mins is None else _panels(mins.to(torch.float16)))
-        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        p0, p1 = row // panel, -(-(row + n) // panel)
+        self.codes[p0:p1] = _quad_panels(stored)
+        self.scales[p0:p1] = _panels(scales.to(torch.float16))
+        if mins is not None:
+            self.mins[p0:p1] = _panels(mins.to(torch.float16))
+        return row + n
 
     @property
     def weight(self) -> torch.Tensor:
@@ -500,7 +568,10 @@ def _fuse(parts: list[nn.Module]) -> nn.Module | None:
     for name in (main, "scales", "mins"):
         if name in parts[0]._buffers:
             tensors = [getattr(p, name) for p in parts]
-            value = None if tensors[0] is None else torch.cat(tensors)
+            value = None
+            if tensors[0] is not None:
+                shape = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
+                value = torch.cat(tensors, out=weight_zeros(shape, tensors[0].dtype))
             fused.register_buffer(name, value)
     fused.register_buffer("bias", _cat_bias(parts))
     return fused
@@ -516,6 +587,7 @@ def fuse_projections_(model: nn.Module) -> int:
     Q8_0 11.7 vs 14.3 (one parallel region per group instead of per projection, and qwen2's
     128-row K and V projections no longer run alone)."""
     count = 0
+    heap = HeapTrimmer()  # the replaced parts' heap pages go back as the fusing goes on
     for module in list(model.modules()):
         for names in FUSED_PROJECTIONS:
             parts = [getattr(module, n, None) for n in names]
@@ -524,11 +596,21 @@ def fuse_projections_(model: nn.Module) -> int:
             fused = _fuse(parts)  # type: ignore[arg-type]
             if fused is None:
                 continue
-            memo: dict[str, object] = {}
-            start = 0
-            for name, part in zip(names, parts, strict=True):
-                end = start + part.out_features  # type: ignore[union-attr]
-                setattr(module, name, FusedSlice(fused, memo, start, end, len(names)))
-                start = end
+            heap.freed(
+                sum(b.nbytes for b in fused.buffers()) + sum(w.nbytes for w in fused.parameters())
+            )
+            place_fused(module, names, [p.out_features for p in parts], fused)  # type: ignore[misc]
             count += 1
     return count
+
+
+def place_fused(
+    module: nn.Module, names: tuple[str, ...], sizes: list[int], fused: nn.Module
+) -> None:
+    """Set `module`'s projections `names` (of `sizes` output features, in order) to
+    `FusedSlice` views of `fused`, which computes them side by side."""
+    memo: dict[str, object] = {}
+    start = 0
+    for name, size in zip(names, sizes, strict=True):
+        setattr(module, name, FusedSlice(fused, memo, start, start + size, len(names)))
+        start += size

@@ -294,6 +294,33 @@ def test_group_linear_matches_float64(bits, symmetric, rows, n, k):
     assert ((out.double() - full).norm() / scale).item() < 0.01
 
 
+@pytest.mark.parametrize(("bits", "symmetric"), GROUP_KINDS, ids=GROUP_IDS)
+def test_group_linear_from_row_chunks_equals_one_pass(bits, symmetric):
+    """Packing rows chunk by chunk (whole panels, then a partial last one) gives the same
+    buffers as packing the weight at once; chunks that do not start a panel, or too few
+    rows, are refused."""
+    from ember.compiler.quant import GroupLinear
+
+    n, k = 5 * kernels.panel_width() + 3, 96
+    _, codes, scales, mins, b, _, _ = _group_case(1, n, k, bits, symmetric)
+    whole = GroupLinear(codes, scales, mins, bits, b)
+    step = 2 * kernels.panel_width()
+    parts = [
+        (codes[r : r + step], scales[r : r + step], None if mins is None else mins[r : r + step])
+        for r in range(0, n, step)
+    ]
+    chunked = GroupLinear.from_row_chunks(n, bits, parts, b)
+    assert (chunked.out_features, chunked.in_features, chunked.bits) == (n, k, bits)
+    for name, buf in whole.named_buffers():
+        other = getattr(chunked, name)
+        assert other.dtype == buf.dtype and torch.equal(other, buf), name
+    with pytest.raises(ValueError, match="do not start a panel"):
+        short = (codes[:3], scales[:3], None if mins is None else mins[:3])
+        GroupLinear.from_row_chunks(n, bits, [short, parts[1]])
+    with pytest.raises(ValueError, match="chunks hold"):
+        GroupLinear.from_row_chunks(n, bits, parts[:1], b)
+
+
 def test_group_linear_contract():
     from ember.compiler.quant import GroupLinear, quantize_groups
 
