@@ -194,6 +194,29 @@ def test_paged_attention_splits_few_long_decodes(backend, specs, dtype, window):
     )
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_paged_attention_long_chunks_beside_short_ones_and_decodes(monkeypatch, causal):
+    """A step whose chunks' query rows see more positions in all than the C++ kernel takes on
+    (2^18; an 800-token prompt alone is 320,400 causal) leaves them to the PyTorch code, the
+    decodes still attended in C++; without the long one, every chunk row is attended in C++.
+    Against the pure-PyTorch path (SDPA for the chunks; the naive reference would take a
+    minute over 800 rows), the torch backend only."""
+    from benchmarks.attention_cases import make_case
+    from ember import kernels
+    from ember.attention import torch_cpu
+
+    if not kernels.available():
+        pytest.skip("ember's C++ kernels are not built here")
+    for specs in ([(0, 800), (100, 1), (50, 30), (7, 1)], [(100, 1), (50, 30), (0, 61), (7, 1)]):
+        args, _ = make_case(specs, seed=3)
+        args = (*args[:3], args[3].clone(), *args[4:11], causal)
+        got = torch.ops.ember_cpu.paged_attention(*args)
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "available", lambda isa=None: False)
+            want = torch_cpu.paged_attention(*args)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("window", [1, 5, 13])
 def test_paged_attention_sliding_window(backend, window):
     out, refs, _ = _run_case(

@@ -1558,13 +1558,17 @@ void attend_block(const C* k, const C* v, int64_t stride, int64_t count, int64_t
 // With SIMD and D a multiple of the vector width: kLanes scores per transpose-and-add tree, the
 // softmax weights by a vector exp, and the weighted sum of V rows accumulated in registers one
 // D-slice at a time.
+// One query row: the query token t of sequence seq attends the context positions [lo, hi).
+struct QueryRow {
+  int64_t t, seq, lo, hi;
+};
+
 template <typename C>
-void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
-                    const std::vector<int64_t>& seqs, const int64_t* qsl, const int64_t* lens,
-                    const int64_t* tables, int64_t max_blocks, int64_t H, float sc,
-                    int64_t sliding_window, int64_t split_min_tokens) {
+void attend_rows(float* op, const float* qp, const at::Tensor& cache,
+                 const std::vector<QueryRow>& rows, const int64_t* tables, int64_t max_blocks,
+                 int64_t H, float sc, int64_t split_min_tokens) {
   const int64_t NB = cache.size(1), BS = cache.size(2), Hkv = cache.size(3), D = cache.size(4);
-  const int64_t group = H / Hkv, n = static_cast<int64_t>(seqs.size()), stride = Hkv * D;
+  const int64_t group = H / Hkv, n = static_cast<int64_t>(rows.size()), stride = Hkv * D;
   const C* kp = cache.data_ptr<C>();
   const C* vp = kp + NB * BS * Hkv * D;
 #ifdef EMBER_SIMD
@@ -1572,15 +1576,12 @@ void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
 #else
   const bool simd = false;
 #endif
-  const auto first_of = [&](int64_t i) {
-    return sliding_window > 0 ? std::max<int64_t>(0, lens[i] - sliding_window) : 0;
-  };
   // Parts per sequence: enough tasks for 4 per thread, none shorter than split_min_tokens.
   const int64_t threads = at::get_num_threads();
   int64_t parts = 1;
   if (n < 4 * threads) {
     int64_t longest = 0;
-    for (int64_t i : seqs) longest = std::max(longest, lens[i] - first_of(i));
+    for (const QueryRow& r : rows) longest = std::max(longest, r.hi - r.lo);
     const int64_t most = std::max<int64_t>(1, longest / std::max<int64_t>(split_min_tokens, 1));
     parts = std::min((4 * threads + n - 1) / n, most);
   }
@@ -1596,8 +1597,8 @@ void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
     std::vector<float> acc(H * D), qs(H * D), m(H + kLanesMax), l(H),
         s(H * (BS + kLanesMax) + 2 * (H + kLanesMax));
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t q_i = u / parts, part = u % parts, i = seqs[q_i], t = qsl[i], len = lens[i];
-      const int64_t first = first_of(i);
+      const int64_t q_i = u / parts, part = u % parts;
+      const int64_t i = rows[q_i].seq, t = rows[q_i].t, len = rows[q_i].hi, first = rows[q_i].lo;
       // This part's blocks of the context [first, len), then its positions.
       const int64_t b0 = first / BS, blocks = (len - 1) / BS + 1 - b0;
       const int64_t lo = std::max(first, (b0 + blocks * part / parts) * BS);
@@ -1673,7 +1674,7 @@ void attend_decodes(float* op, const float* qp, const at::Tensor& cache,
   at::parallel_for(0, n * H, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t q_i = r / H, e = r % H;
-      float* o = op + (qsl[seqs[q_i]] * H + e) * D;
+      float* o = op + (rows[q_i].t * H + e) * D;
       float mx = -INFINITY, total = 0.f;
       for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, part_m[(q_i * parts + p) * H + e]);
       std::fill(o, o + D, 0.f);
@@ -1729,6 +1730,72 @@ void write_slots(at::Tensor& cache, const at::Tensor& key, const at::Tensor& val
   }
 }
 
+// Prefill chunks of a step are attended here too (`chunks`) while their query rows' contexts
+// add up to at most this many positions; past it (long prompts, long prefixes) they are left
+// to the PyTorch code, whose SDPA reuses each K/V row across the query rows of a chunk.
+// 2^18: a step of 2,048 tokens of ~40-token texts (an embedding batch) is ~80,000; a
+// 128-token prompt 8,256.
+constexpr int64_t kChunkRowsMaxPositions = int64_t{1} << 18;
+
+// Write the step's K/V, then attend every decode and, with `chunks`, the prefill chunks (each
+// of their query rows as a row of its own: positions [0, p] causal or the whole sequence,
+// within the sliding window) unless too long; returns 1 when chunks are left.
+int64_t attend_step(at::Tensor& out, const at::Tensor& query, const at::Tensor& key,
+                    const at::Tensor& value, at::Tensor& cache, const at::Tensor& slot_mapping,
+                    const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                    const at::Tensor& block_tables, double scale, int64_t sliding_window,
+                    int64_t split_min_tokens, bool causal, bool chunks) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && cache.is_contiguous(),
+              "paged_attention_cpu: out must be contiguous float32, the cache contiguous");
+  TORCH_CHECK(cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16,
+              "paged_attention_cpu: the cache must be float32 or bfloat16");
+  const int64_t H = query.size(1);
+  write_slots(cache, key, value, slot_mapping);
+  std::vector<int64_t> qsl_buf, lens_buf, tables_buf;
+  const int64_t* qsl = as_int64(query_start_loc, qsl_buf);
+  const int64_t* lens = as_int64(seq_lens, lens_buf);
+  std::vector<QueryRow> rows;
+  int64_t flags = 0, chunk_positions = 0;
+  const auto row = [&](int64_t i, int64_t j) {  // query row j of sequence i
+    const int64_t q_len = qsl[i + 1] - qsl[i], p = lens[i] - q_len + j;
+    const int64_t hi = causal ? p + 1 : lens[i];
+    const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
+    return QueryRow{qsl[i] + j, i, lo, hi};
+  };
+  for (int64_t i = 0; i < seq_lens.numel(); ++i) {
+    const int64_t q_len = qsl[i + 1] - qsl[i];
+    if (q_len == 1) {
+      rows.push_back(row(i, 0));
+    } else if (q_len > 1) {
+      flags |= 1;
+      for (int64_t j = 0; j < q_len && chunks; ++j) {
+        const QueryRow r = row(i, j);
+        chunk_positions += r.hi - r.lo;
+      }
+    }
+  }
+  if (flags && chunks && chunk_positions <= kChunkRowsMaxPositions) {
+    for (int64_t i = 0; i < seq_lens.numel(); ++i) {
+      const int64_t q_len = qsl[i + 1] - qsl[i];
+      for (int64_t j = 0; j < q_len && q_len > 1; ++j) rows.push_back(row(i, j));
+    }
+    flags = 0;
+  }
+  if (rows.empty()) return flags;
+  const at::Tensor q = query.to(at::kFloat).contiguous();
+  const int64_t* tables = as_int64(block_tables, tables_buf);
+  const int64_t max_blocks = block_tables.size(1);
+  const float sc = static_cast<float>(scale);
+  if (cache.scalar_type() == at::kFloat) {
+    attend_rows<float>(out.data_ptr<float>(), q.data_ptr<float>(), cache, rows, tables,
+                       max_blocks, H, sc, split_min_tokens);
+  } else {
+    attend_rows<c10::BFloat16>(out.data_ptr<float>(), q.data_ptr<float>(), cache, rows, tables,
+                               max_blocks, H, sc, split_min_tokens);
+  }
+  return flags;
+}
+
 // The torch backend's paged attention for the common case, in one call: write the step's K/V
 // into the cache, then attend every decode (one new token) in place from the blocks into
 // `out` (float32, zeros). Returns flags for what is left to the PyTorch code: 1 = prefill
@@ -1739,39 +1806,8 @@ int64_t paged_attention_cpu(at::Tensor out, const at::Tensor& query, const at::T
                             const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
                             const at::Tensor& seq_lens, const at::Tensor& block_tables,
                             double scale, int64_t sliding_window, int64_t split_min_tokens) {
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && cache.is_contiguous(),
-              "paged_attention_cpu: out must be contiguous float32, the cache contiguous");
-  TORCH_CHECK(cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16,
-              "paged_attention_cpu: the cache must be float32 or bfloat16");
-  const int64_t Hkv = cache.size(3), D = cache.size(4), H = query.size(1);
-  write_slots(cache, key, value, slot_mapping);
-  std::vector<int64_t> qsl_buf, lens_buf, tables_buf;
-  const int64_t* qsl = as_int64(query_start_loc, qsl_buf);
-  const int64_t* lens = as_int64(seq_lens, lens_buf);
-  std::vector<int64_t> decodes;
-  int64_t flags = 0;
-  for (int64_t i = 0; i < seq_lens.numel(); ++i) {
-    const int64_t q_len = qsl[i + 1] - qsl[i];
-    if (q_len == 1) {
-      decodes.push_back(i);
-    } else if (q_len > 1) {
-      flags |= 1;
-    }
-  }
-  if (decodes.empty()) return flags;
-  const at::Tensor q = query.to(at::kFloat).contiguous();
-  const int64_t* tables = as_int64(block_tables, tables_buf);
-  const int64_t max_blocks = block_tables.size(1);
-  const float sc = static_cast<float>(scale);
-  if (cache.scalar_type() == at::kFloat) {
-    attend_decodes<float>(out.data_ptr<float>(), q.data_ptr<float>(), cache, decodes, qsl, lens,
-                          tables, max_blocks, H, sc, sliding_window, split_min_tokens);
-  } else {
-    attend_decodes<c10::BFloat16>(out.data_ptr<float>(), q.data_ptr<float>(), cache, decodes,
-                                  qsl, lens, tables, max_blocks, H, sc, sliding_window,
-                                  split_min_tokens);
-  }
-  return flags;
+  return attend_step(out, query, key, value, cache, slot_mapping, query_start_loc, seq_lens,
+                     block_tables, scale, sliding_window, split_min_tokens, true, false);
 }
 
 // The shortest part of a decode's context that the flash-decoding split makes: two blocks of
@@ -1802,8 +1838,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,
   }
   at::Tensor out = at::zeros(query.sizes(), query.options().dtype(at::kFloat));
   const int64_t left =
-      paged_attention_cpu(out, query, key, value, cache, slot_mapping, query_start_loc,
-                          seq_lens, block_tables, scale, sliding_window, kSplitMinTokens);
+      attend_step(out, query, key, value, cache, slot_mapping, query_start_loc, seq_lens,
+                  block_tables, scale, sliding_window, kSplitMinTokens, causal, true);
   if (left != 0) {
     static const auto rest =
         c10::Dispatcher::singleton()
