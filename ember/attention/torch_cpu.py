@@ -15,8 +15,10 @@ One call handles a whole mixed batch with no Python loop over sequences:
   when there are fewer (sequence, K/V head) pairs than threads and the context is long, the
   context is split into partitions that are attended in parallel and merged by their
   log-sum-exp (flash-decoding);
-- prefill chunks and prefix hits (several new tokens) are padded to the longest chunk of the
-  step and attended in one batched call, with a mask per sequence (`[chunks, 1, q, k]`), never
+- prefill chunks and prefix hits (several new tokens) go to the C++ kernel as well, one row
+  per query token, while the step's chunk rows see at most 2^18 positions in all; longer ones
+  (and every chunk without the kernels) are padded to the longest chunk of the step and
+  attended in one batched SDPA call, with a mask per sequence (`[chunks, 1, q, k]`), never
   one dense mask across requests.
 Math runs in float32, except that a bfloat16 cache on a CPU with native bf16 matrix math
 (AVX512-BF16 / AMX) is attended in bfloat16 by SDPA's flash kernel, which accumulates in
