@@ -637,8 +637,16 @@ def load_gguf_model(
         reader.drop_pages(tensor.data)
         heap.freed(tensor.n_bytes)
 
-    def bias_of(module_name: str) -> torch.Tensor | None:
+    def bias_of(module_name: str, tensor: Any) -> torch.Tensor | None:
+        """The bias of `module_name`, once its GGUF weight `tensor` is checked against it."""
         module = model.get_submodule(module_name)
+        expected = (module.weight.shape[0], module.weight.shape[1])
+        shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml lists the input size first
+        if shape != expected:
+            raise UnsupportedModelError(
+                f"GGUF file {path!r}: {module_name} is {shape[0]}x{shape[1]}, the config says "
+                f"{expected[0]}x{expected[1]}"
+            )
         bias = getattr(module, "bias", None) if isinstance(module, nn.Linear) else None
         if bias is not None and bias.is_meta:
             raise UnsupportedModelError(f"GGUF file {path!r} has no tensor for {module_name}.bias")
@@ -646,7 +654,7 @@ def load_gguf_model(
 
     for parent, names, group in _fusable_groups(kept):
         data = [_permute_rows(processor, t.name, t.data) for t in group]
-        biases = [bias_of(f"{parent}.{n}") for n in names]
+        biases = [bias_of(f"{parent}.{n}", t) for n, t in zip(names, group, strict=True)]
         types = [t.tensor_type for t in group]
         fused = fused_group_linear(list(zip(data, types, biases, strict=True)), release)
         for name, t in zip(names, group, strict=True):
@@ -656,17 +664,11 @@ def load_gguf_model(
         place_fused(model.get_submodule(parent), names, [int(t.shape[1]) for t in group], fused)
     for module_name, tensor in kept.items():
         module = model.get_submodule(module_name)
-        bias = bias_of(module_name)
+        bias = bias_of(module_name, tensor)
         data, qtype = _permute_rows(processor, tensor.name, tensor.data), tensor.tensor_type
         linear = group_linear_from_file(data, qtype, bias, release)
         del data
         reader.drop_pages(tensor.data)
-        expected = (module.weight.shape[0], module.weight.shape[1])
-        if (linear.out_features, linear.in_features) != expected:
-            raise UnsupportedModelError(
-                f"GGUF file {path!r}: {module_name} is {linear.out_features}x"
-                f"{linear.in_features}, the config says {expected[0]}x{expected[1]}"
-            )
         if isinstance(module, nn.Embedding):
             scale = getattr(module, "scalar_embed_scale", None)  # Gemma's scaled table
             _place(

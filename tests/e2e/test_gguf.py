@@ -370,6 +370,25 @@ def test_other_types_requantize_to_8_bit_groups_within_half_a_step(qtype):
     assert relative < 0.01, relative
 
 
+@pytest.mark.parametrize(
+    ("field", "module"),
+    [("intermediate_size", "mlp.gate_proj"), ("vocab_size", "embed_tokens")],
+    ids=["fused-projection", "table"],
+)
+def test_a_tensor_whose_shape_disagrees_with_the_config_is_named(gguf_file, field, module):
+    """Fused projections (gate/up, converted straight into one linear) and single tensors
+    alike are checked against the config before they are converted."""
+    from ember.compiler.gguf import load_gguf_model
+    from ember.compiler.hf_config import UnsupportedModelError, read_model_spec
+
+    path = gguf_file("tiny-llama", "Q8_0")
+    spec = read_model_spec(path)
+    config = spec.hf_config
+    setattr(config, field, getattr(config, field) + 32)
+    with pytest.raises(UnsupportedModelError, match=f"{module} is .*the config says"):
+        load_gguf_model(path, config, spec.auto_class, "sdpa")
+
+
 def _truncated(path: str, out: str) -> str:
     with open(path, "rb") as f:
         data = f.read()
