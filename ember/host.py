@@ -263,7 +263,7 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
             st, views = storages.pop(key)
             nbytes = st.nbytes()
             start = offsets[key]
-            region = arena[start : start + st.nbytes()]
+            region = arena[start : start + nbytes]
             region.copy_(torch.empty(0, dtype=torch.uint8).set_(st))
             for t in views.values():
                 size = t.element_size()

@@ -211,7 +211,7 @@ def quantize_int8_(model: nn.Module) -> int:
 
 def row_chunk(in_features: int) -> int:
     """Rows of a weight with `in_features` columns to convert at a time (a multiple of the
-    panel width, about 4 Mi values): `GroupLinear.from_row_chunks`' unit."""
+    panel width, about 1 Mi values): `GroupLinear.from_row_chunks`' unit."""
     panel = kernels.panel_width()
     return max(1, (1 << 20) // max(in_features, 1) // panel) * panel
 

@@ -1754,31 +1754,26 @@ int64_t attend_step(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
   std::vector<int64_t> qsl_buf, lens_buf, tables_buf;
   const int64_t* qsl = as_int64(query_start_loc, qsl_buf);
   const int64_t* lens = as_int64(seq_lens, lens_buf);
-  std::vector<QueryRow> rows;
+  std::vector<QueryRow> rows, chunk_rows;
   int64_t flags = 0, chunk_positions = 0;
-  const auto row = [&](int64_t i, int64_t j) {  // query row j of sequence i
-    const int64_t q_len = qsl[i + 1] - qsl[i], p = lens[i] - q_len + j;
-    const int64_t hi = causal ? p + 1 : lens[i];
-    const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
-    return QueryRow{qsl[i] + j, i, lo, hi};
-  };
   for (int64_t i = 0; i < seq_lens.numel(); ++i) {
     const int64_t q_len = qsl[i + 1] - qsl[i];
-    if (q_len == 1) {
-      rows.push_back(row(i, 0));
-    } else if (q_len > 1) {
-      flags |= 1;
-      for (int64_t j = 0; j < q_len && chunks; ++j) {
-        const QueryRow r = row(i, j);
-        chunk_positions += r.hi - r.lo;
+    if (q_len > 1) flags |= 1;
+    if (q_len > 1 && !chunks) continue;
+    for (int64_t j = 0; j < q_len; ++j) {  // query row j sits at position p
+      const int64_t p = lens[i] - q_len + j;
+      const int64_t hi = causal ? p + 1 : lens[i];
+      const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
+      if (q_len == 1) {
+        rows.push_back({qsl[i], i, lo, hi});
+      } else {
+        chunk_rows.push_back({qsl[i] + j, i, lo, hi});
+        chunk_positions += hi - lo;
       }
     }
   }
-  if (flags && chunks && chunk_positions <= kChunkRowsMaxPositions) {
-    for (int64_t i = 0; i < seq_lens.numel(); ++i) {
-      const int64_t q_len = qsl[i + 1] - qsl[i];
-      for (int64_t j = 0; j < q_len && q_len > 1; ++j) rows.push_back(row(i, j));
-    }
+  if (!chunk_rows.empty() && chunk_positions <= kChunkRowsMaxPositions) {
+    rows.insert(rows.end(), chunk_rows.begin(), chunk_rows.end());
     flags = 0;
   }
   if (rows.empty()) return flags;
