@@ -127,10 +127,11 @@ def test_packed_linear_matches_float64(dtype, rows):
 
 @pytest.mark.parametrize("dtype", PACKED_DTYPES, ids=PACKED_IDS)
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (3, 2050), (257, 1030), (64, 1024)])
-@pytest.mark.parametrize("rows", [1, 4, 19])
+@pytest.mark.parametrize("rows", [1, 4, 19, 130])
 def test_packed_linear_odd_shapes_and_k_slices(dtype, n, k, rows):
     """k past one 1024-deep slice (partial sums carried in y), a single channel, panels of
-    exactly the width."""
+    exactly the width; 130 rows go through x in several 128 KiB chunks (n = 64: across the
+    row-block split of two panels too)."""
     x, w, scales, b, ref = _packed_case(rows, n, k, dtype, bias=n != 64)
     out = torch.ops.ember_cpu.packed_linear(
         x, torch.ops.ember_cpu.pack_linear_weight(w), scales, b, n

@@ -544,18 +544,34 @@ struct RowBlocks {
 // The tasks of a packed GEMM [M, K] x panels -> [M, N]: panels (a thread owns a contiguous run
 // of them, so decodes stream contiguous memory), split by row blocks too when there are too few
 // panels to keep every thread busy. Calls task(panel, first channel, channels, row blocks).
+// Large steps go through x a chunk of row blocks at a time (`row_bytes`: bytes of x per row),
+// every panel of the thread's run over one chunk before the next: the chunk (128 KiB) stays in
+// L2 while the panels pass over it, instead of all of x streaming from L3 or memory once per
+// panel. Decodes and small steps are one chunk.
+#ifndef EMBER_X_CHUNK
+#define EMBER_X_CHUNK (128 * 1024)
+#endif
+constexpr int64_t kXChunkBytes = EMBER_X_CHUNK;
+
 template <typename Task>
-void for_panel_tasks(int64_t M, int64_t N, const Task& task, int64_t row_block = kRowBlock) {
+void for_panel_tasks(int64_t M, int64_t N, int64_t row_bytes, const Task& task,
+                     int64_t row_block = kRowBlock) {
   const int64_t P = (N + kPanel - 1) / kPanel;
   const int64_t blocks = (M + row_block - 1) / row_block;
   const int64_t rows_per = (M + blocks - 1) / blocks;
   const int64_t threads = at::get_num_threads();
   const int64_t splits = std::min(blocks, std::max<int64_t>(1, (2 * threads + P - 1) / P));
+  const int64_t chunk =
+      kXChunkBytes > 0 ? std::max<int64_t>(1, kXChunkBytes / (rows_per * row_bytes)) : blocks;
   at::parallel_for(0, P * splits, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p = t / splits, s = t % splits, n = p * kPanel;
-      task(p, n, std::min(kPanel, N - n),
-           RowBlocks{s * blocks / splits, (s + 1) * blocks / splits, rows_per, M});
+    for (int64_t c0 = 0; c0 < blocks; c0 += chunk) {
+      const int64_t c1 = std::min(blocks, c0 + chunk);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t p = t / splits, s = t % splits, n = p * kPanel;
+        const int64_t b0 = std::max(c0, s * blocks / splits);
+        const int64_t b1 = std::min(c1, (s + 1) * blocks / splits);
+        if (b0 < b1) task(p, n, std::min(kPanel, N - n), RowBlocks{b0, b1, rows_per, M});
+      }
     }
   });
 }
@@ -566,7 +582,8 @@ void packed_gemm(const float* x, const W* wp, const float* scales, const float* 
                  int64_t M, int64_t N, int64_t K) {
   static constexpr auto kernels =
       panel_kernels<W>(std::make_index_sequence<static_cast<size_t>(kRowBlock)>());
-  for_panel_tasks(M, N, [&](int64_t p, int64_t n, int64_t cols, const RowBlocks& blocks) {
+  for_panel_tasks(M, N, K * sizeof(float), [&](int64_t p, int64_t n, int64_t cols,
+                                                const RowBlocks& blocks) {
     alignas(64) float sc[kPanel], bi[kPanel];
     for (int64_t j = 0; j < kPanel; ++j) {
       sc[j] = scales && j < cols ? scales[n + j] : 1.f;
@@ -736,7 +753,8 @@ void pairs_gemm(const uint16_t* x, const uint16_t* wp, const float* bias, float*
   static constexpr auto kernels =
       pair_kernels(std::make_index_sequence<static_cast<size_t>(kRowBlock)>());
   const int64_t J = Ke / 2;
-  for_panel_tasks(M, N, [&](int64_t p, int64_t n, int64_t cols, const RowBlocks& blocks) {
+  for_panel_tasks(M, N, Ke * sizeof(uint16_t), [&](int64_t p, int64_t n, int64_t cols,
+                                                   const RowBlocks& blocks) {
     alignas(64) float bi[kPanel];
     for (int64_t c = 0; c < kPanel; ++c) bi[c] = bias && c < cols ? bias[n + c] : 0.f;
     const uint16_t* pan = wp + p * J * 2 * kPanel;
@@ -1288,7 +1306,7 @@ void group_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const u
   const int64_t scale_rows = Bits == 6 ? 2 * G : G;  // 6-bit: a scale per 16 k
   const QuantizedRows xq = quantize_rows(x, M, K);
   for_panel_tasks(
-      M, N,
+      M, N, K,
       [&](int64_t p, int64_t n, int64_t cols, const RowBlocks& blocks) {
         alignas(64) float bi[kPanel];
         for (int64_t j = 0; j < kPanel; ++j) bi[j] = bias && j < cols ? bias[n + j] : 0.f;
