@@ -91,12 +91,14 @@ class BlockManager:
         num_tokens: int,
         hit_blocks: list[int] | None = None,
         extra: bytes = b"",
+        cache: bool = True,
     ) -> list[int] | None:
         """Make the request own blocks for its first `num_tokens` tokens.
 
         `hit_blocks` (from `match_prefix`, only for a request that owns no blocks yet) are
         shared. Returns the newly allocated block ids, or None, changing nothing, when the pool
-        is short. Full blocks among the first `num_tokens` tokens enter the prefix cache.
+        is short. Full blocks among the first `num_tokens` tokens enter the prefix cache
+        unless `cache` is False (K/V no later prompt can hit).
         """
         hit_blocks = hit_blocks or []
         owned = self._req_blocks.setdefault(request_id, [])
@@ -115,7 +117,8 @@ class BlockManager:
         owned.extend(hit_blocks)
         new_blocks = [self._pop_free() for _ in range(max(num_needed, 0))]
         owned.extend(new_blocks)
-        self._cache_full_blocks(request_id, token_ids, num_tokens, extra)
+        if cache:
+            self._cache_full_blocks(request_id, token_ids, num_tokens, extra)
         return new_blocks
 
     def _pop_free(self) -> int:
@@ -160,7 +163,11 @@ class BlockManager:
         self._pending.clear()
 
     def free(self, request_id: str, keep_hashes: bool = False) -> None:
-        """Release the request's blocks (tail first, so tails are evicted first).
+        """Release the request's blocks: cached ones to the back of the eviction order (tail
+        first, so tails are evicted first), blocks that hold no cache entry to the front, to
+        be reused before any cached block is evicted and before blocks never used: their
+        pages are resident and likely in the CPU's caches (taking never-used blocks first
+        walked the whole pool, faulting in fresh zeroed pages on the step's path).
 
         `keep_hashes` keeps its token hashes for a preempted request that will come back.
         """
@@ -169,6 +176,8 @@ class BlockManager:
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
                 self._free[b] = None
+                if self._block_hash[b] is None:
+                    self._free.move_to_end(b, last=False)
         self._req_num_hashed.pop(request_id, None)
         if not keep_hashes:
             self._req_hashes.pop(request_id, None)

@@ -187,11 +187,10 @@ class Scheduler:
             if num_enc and num_encoder_tokens + num_enc > self.max_num_batched_tokens:
                 if num_encoder_tokens:
                     break  # the next step's encoder pass
-            # Cross blocks are the request's own (salted with its id: never a prefix hit).
+            # Cross blocks are the request's own: never a prefix hit, so not cached.
             enc = request.encoder_token_ids or [0] * num_enc
             if num_enc and (
-                self.block_manager.allocate(cross_key(rid), enc, num_enc, extra=rid.encode())
-                is None
+                self.block_manager.allocate(cross_key(rid), enc, num_enc, cache=False) is None
             ):
                 break
             # An embedding's hidden states, and prompt logprobs, need every token computed:
@@ -200,7 +199,14 @@ class Scheduler:
             hits = [] if recompute else self.block_manager.match_prefix(rid, tokens, salt)
             num_hit = len(hits) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_hit, budget)
-            if self.block_manager.allocate(rid, tokens, num_hit + num_new, hits, salt) is None:
+            # An embedding's K/V are never a prefix hit (pool requests recompute; a bidirectional
+            # encoder's K/V depend on the whole text): not cached, so its blocks are reused first.
+            if (
+                self.block_manager.allocate(
+                    rid, tokens, num_hit + num_new, hits, salt, cache=not request.pool
+                )
+                is None
+            ):
                 if num_enc:
                     self.block_manager.free(cross_key(rid))
                 break

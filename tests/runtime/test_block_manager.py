@@ -78,3 +78,22 @@ def test_block_manager_hit_on_free_cached_block_counts_it_as_unavailable():
 def test_block_manager_needs_two_blocks():
     with pytest.raises(ValueError, match="at least 2 blocks"):
         BlockManager(num_blocks=1, block_size=4)
+
+
+def test_block_manager_reuses_uncached_blocks_first_and_evicts_cached_ones_last():
+    bm = BlockManager(num_blocks=9, block_size=2)
+    bm.allocate("a", [1, 2, 3, 4, 5], 5)  # two full (cached) blocks and a partial one
+    cached, partial = bm.block_ids("a")[:2], bm.block_ids("a")[2]
+    bm.allocate("e", list(range(20, 26)), 6, cache=False)  # an embedding: nothing cached
+    embedding = bm.block_ids("e")
+    assert bm.match_prefix("x", list(range(20, 27))) == [], "cache=False registers no hash"
+    bm.free("a")
+    bm.free("e")
+    # Blocks that hold no cache entry come back first (their pages are warm), before the
+    # never-used blocks 7 and 8 and before any cached block is evicted.
+    reused = bm.allocate("b", list(range(40, 48)), 8)
+    assert set(reused) == {partial, *embedding}
+    assert bm.match_prefix("c", [1, 2, 3, 4, 5]) == cached
+    bm.allocate("d", list(range(60, 64)), 4)  # the two never-used blocks
+    assert bm.match_prefix("c", [1, 2, 3, 4, 5]) == cached
+    bm.assert_invariants()

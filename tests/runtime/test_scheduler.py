@@ -93,6 +93,23 @@ def test_scheduler_prefix_hit_skips_computation():
     assert sched.requests["b"].num_cached_tokens == 16
 
 
+def test_scheduler_embedding_blocks_are_not_cached_and_are_reused_first():
+    sched, bm = _scheduler(num_blocks=20, budget=64)
+    prompt = list(range(1, 18))
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    sched.add_request(Request("e", prompt, params, None, 1, torch.Generator(), pool=True))
+    plan = sched.schedule()
+    used = set(bm.block_ids("e"))
+    assert len(used) == 5
+    sched.update(plan, RunnerOutput({}, {}, pooled={"e": [0.0]}))
+    assert bm.block_ids("e") == [] and bm.match_prefix("x", prompt) == []
+    # The next prompt gets the embedding's warm blocks, not never-used ones.
+    sched.add_request(_request("a", list(range(50, 67))))
+    sched.schedule()
+    assert set(bm.block_ids("a")) == used
+    bm.assert_invariants()
+
+
 def test_scheduler_abort_frees_blocks_in_every_state():
     sched, bm = _scheduler(num_blocks=9, block_size=4, budget=6, max_model_len=32)
     sched.add_request(_request("run", list(range(1, 10))))
