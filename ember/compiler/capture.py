@@ -61,10 +61,11 @@ def build_forwards(
     compile: bool,
     buckets: tuple[int, ...],
     freezing: bool = False,
+    token_hint: int | None = None,
 ) -> Forwards:
     """Capture `loaded`'s forwards; with `compile`, as `CompiledForward`s over the static token
-    `buckets` (plus one dynamic-token graph). The KV caches' block count is a dynamic dim, so
-    graphs do not depend on the cache size."""
+    `buckets` (plus one dynamic-token graph, compiled for steps of about `token_hint` tokens).
+    The KV caches' block count is a dynamic dim, so graphs do not depend on the cache size."""
     model, task = loaded.model, loaded.spec.task
     vision = text = None
     if task == "embed":
@@ -79,10 +80,12 @@ def build_forwards(
     if compile:
         for kv in kv_caches:
             torch._dynamo.mark_dynamic(kv, 1)
-        step = CompiledForward(step, buckets, freezing)
-        encoder = CompiledForward(encoder, buckets, freezing) if encoder is not None else None
+        step = CompiledForward(step, buckets, freezing, token_hint=token_hint)
+        if encoder is not None:
+            encoder = CompiledForward(encoder, buckets, freezing, token_hint=token_hint)
         vision = CompiledForward(vision, (), freezing, static=True) if vision else None
-        text = CompiledForward(text, buckets, freezing) if text is not None else None
+        if text is not None:
+            text = CompiledForward(text, buckets, freezing, token_hint=token_hint)
     hidden = step if task == "embed" else capture_hidden_forward(model, task)
     return Forwards(step, hidden, encoder, vision, text)
 
@@ -114,10 +117,12 @@ class CompiledForward:
         buckets: tuple[int, ...],
         freezing: bool = False,
         static: bool = False,
+        token_hint: int | None = None,
     ) -> None:
         self.forward = forward
         self.buckets = buckets
         self.freezing = freezing
+        self.token_hint = token_hint
         # One graph of fixed input shapes (the vision pass: one image), not a step.
         self.static = static
         self.graphs: dict[str, Any] = {}
@@ -154,7 +159,7 @@ class CompiledForward:
             self.num_loaded += 1
         else:
             if not self.static:
-                _mark_step_dynamic(args, dynamic_tokens=key == "dynamic")
+                _mark_step_dynamic(args, key == "dynamic", self.token_hint)
             compiler = torch.compile(
                 self.forward, fullgraph=True, options={"guard_filter_fn": _no_guards}
             )
@@ -183,17 +188,24 @@ class CompiledForward:
             )
             self._dynamo = torch.compile(fresh, fullgraph=True)
         if not self.static:
-            _mark_step_dynamic(args, dynamic_tokens=key == "dynamic")
+            _mark_step_dynamic(args, key == "dynamic", self.token_hint)
         self._dynamo(*args)
         self.num_compiled += 1
         self.graphs[key] = self._dynamo
         return self._dynamo
 
 
-def _mark_step_dynamic(args: tuple[Any, ...], dynamic_tokens: bool) -> None:
+def _mark_step_dynamic(
+    args: tuple[Any, ...], dynamic_tokens: bool, token_hint: int | None = None
+) -> None:
     """Mark a step's inputs dynamic before compiling: per-sequence tensors in dim 0
     (num_seqs), block tables in both dims (num_seqs, width), per-token tensors in dim 0 when
-    the graph's token count is dynamic."""
+    the graph's token count is dynamic.
+
+    The token count's size hint is `token_hint` rather than the example step's (2 tokens):
+    inductor decides from the hint which loops of its kernels run on all threads, and from 2
+    tokens it made the norms and residual adds of narrow models serial (a MiniLM embedding
+    step of 2,000 tokens ran its LayerNorms on one core)."""
     input_ids, positions, logits_indices, meta, _ = args
     per_seq = [meta.query_start_loc, meta.seq_lens, logits_indices, meta.cross_seq_lens]
     for t in per_seq:
@@ -204,11 +216,10 @@ def _mark_step_dynamic(args: tuple[Any, ...], dynamic_tokens: bool) -> None:
             torch._dynamo.mark_dynamic(t, 0)
             torch._dynamo.mark_dynamic(t, 1)
     if dynamic_tokens:
-        for t in (input_ids, positions, meta.slot_mapping, meta.cross_token_ranges):
+        per_token = (input_ids, positions, meta.slot_mapping, meta.cross_token_ranges)
+        for t in (*per_token, meta.cross_row_mask):
             if t is not None:
-                torch._dynamo.mark_dynamic(t, 0)
-        if meta.cross_row_mask is not None:
-            torch._dynamo.mark_dynamic(meta.cross_row_mask, 0)
+                torch._dynamo.mark_dynamic(t, 0, hint_override=token_hint)
 
 
 def capture_encoder_forward(model: PreTrainedModel) -> Callable[..., Any]:

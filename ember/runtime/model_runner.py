@@ -80,7 +80,12 @@ class ModelRunner:
         self.buckets = config.token_buckets
         self.decode_buffers = DecodeBuffers()
         self.forwards = build_forwards(
-            loaded, self.kv_caches, config.compile, self.buckets, config.freeze_weights
+            loaded,
+            self.kv_caches,
+            config.compile,
+            self.buckets,
+            config.freeze_weights,
+            token_hint=config.max_num_batched_tokens,
         )
         # An encoder-decoder step carries each request's cross context; a vision-language
         # step each request's image K/V and each token's range of them.

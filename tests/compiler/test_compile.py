@@ -39,6 +39,40 @@ def test_buckets_padding_and_graph_sizes():
     assert graph_sizes((1, 2, 4), 4) == (1, 2, 4)
 
 
+def test_dynamic_token_graph_is_compiled_for_the_token_budget():
+    """The dynamic graph's token dim carries the engine's token budget as its size hint (not
+    the 2-token example step's), so inductor parallelizes its kernels for large steps; the
+    per-sequence dims keep their example sizes; static buckets mark no token dim."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ember.compiler.capture import _mark_step_dynamic
+
+    def step():
+        meta = SimpleNamespace(
+            query_start_loc=torch.zeros(3, dtype=torch.int32),
+            seq_lens=torch.zeros(2, dtype=torch.int32),
+            cross_seq_lens=None,
+            block_tables=torch.zeros(2, 4, dtype=torch.int32),
+            cross_block_tables=None,
+            slot_mapping=torch.zeros(2, dtype=torch.int64),
+            cross_token_ranges=None,
+            cross_row_mask=None,
+        )
+        return torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), meta
+
+    ids, positions, meta = step()
+    _mark_step_dynamic((ids, positions, torch.zeros(2, dtype=torch.int64), meta, []), True, 2048)
+    for t in (ids, positions, meta.slot_mapping):
+        assert t._dynamo_dynamic_indices == {0} and t._dynamo_hint_overrides == {0: 2048}
+    assert meta.seq_lens._dynamo_dynamic_indices == {0}
+    assert not getattr(meta.seq_lens, "_dynamo_hint_overrides", None)
+    ids, positions, meta = step()
+    _mark_step_dynamic((ids, positions, torch.zeros(1, dtype=torch.int64), meta, []), False, 2048)
+    assert not hasattr(ids, "_dynamo_dynamic_indices")
+
+
 def test_token_buckets_are_validated(checkpoint_dir):
     with pytest.raises(ValueError, match="token_buckets"):
         LLM(model=checkpoint_dir("tiny-llama"), compile=False, token_buckets=(4, 2))
