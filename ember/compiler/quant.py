@@ -19,8 +19,9 @@ the checkpoint's own layout (`GemvLinear`).
   dot-product GEMV for decode-sized steps, ATen's bf16 GEMM above (oneDNN's AMX kernels, which
   need that layout; not measured against the pairs here, where there is no AMX).
 - An LM head tied to the input embedding is packed too, and the embedding lookup gathers its
-  rows from the packed head (`PackedEmbedding`): the table is held once. (A table with more
-  users, as BART's, keeps a `GemvLinear` head over the shared [vocab, d] table.)
+  rows from the packed head (`PackedEmbedding`, times the scale for Gemma's scaled tables): the
+  table is held once. (A table with more users, as BART's, keeps a `GemvLinear` head over the
+  shared [vocab, d] table.)
 
 A batch-1 decode step reads every weight once, so its floor is weight bytes / memory bandwidth;
 int8 storage reads a quarter of fp32's bytes (half of bf16's).
@@ -102,15 +103,20 @@ class Int8Linear(PackedLinear):
 class PackedEmbedding(nn.Module):
     """The input embedding of a model whose LM head is tied to it and packed: each token's row
     is gathered from the head's packed weight (a row of panels, or of bf16 pairs), so the
-    table is held once, in the layout the head's GEMM wants."""
+    table is held once, in the layout the head's GEMM wants. A scaled table (Gemma's
+    `scalar_embed_scale`) multiplies the rows by its scale in their own dtype, as HF does, or
+    in fp32 for fp16 rows (widened exactly first: fp16 is a storage type here)."""
 
     packed: torch.Tensor
 
-    def __init__(self, embedding: nn.Embedding, head: PackedLinear) -> None:
+    def __init__(
+        self, embedding: nn.Embedding, head: PackedLinear, scale: float | None = None
+    ) -> None:
         super().__init__()
         self.num_embeddings = embedding.num_embeddings
         self.embedding_dim = embedding.embedding_dim
         self.pairs = head.pairs
+        self.scale = scale
         self.register_buffer("packed", head.packed)  # the head's tensor, not a copy
 
     @property
@@ -118,6 +124,14 @@ class PackedEmbedding(nn.Module):
         return self.packed
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self._rows(ids)
+        if self.scale is None:
+            return rows
+        if rows.dtype == torch.float16:
+            rows = rows.float()
+        return rows * torch.tensor(self.scale, dtype=rows.dtype)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         num_panels, depth, width = self.packed.shape
         if not self.pairs:  # [P, K, panel][p, :, c] -> [..., K]
             return self.packed[ids // width, :, ids % width]
@@ -172,16 +186,19 @@ def use_kernel_linears_(model: nn.Module, activations: torch.dtype) -> int:
     `activations` (the run dtype): `PackedLinear` for fp32 activations, and for bf16 ones with
     bf16 weights where the kernels have bf16 pairs and the CPU no AMX; else `GemvLinear`.
 
-    An LM head tied to a plain `nn.Embedding` is packed like the others and the embedding
-    becomes a `PackedEmbedding` reading rows from the head's packed weight (the table is held
-    once). Where the table has other users (BART's encoder and decoder share it) or the
-    embedding is not a plain one (scaled embeddings), the head stays a `GemvLinear` over the
-    shared [vocab, d] table. Returns how many linears were replaced."""
+    An LM head tied to a plain `nn.Embedding`, or to a scaled one (Gemma's, with its
+    `scalar_embed_scale`), is packed like the others and the embedding becomes a
+    `PackedEmbedding` reading rows from the head's packed weight (the table is held once).
+    Where the table has other users (BART's encoder and decoder share it) or the embedding is
+    another subclass, the head stays a `GemvLinear` over the shared [vocab, d] table. Returns
+    how many linears were replaced."""
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     shared = getattr(embed, "weight", None)
     pairs = activations == torch.bfloat16 and kernels.bf16_pairs() and not cpu_has_amx()
     users = sum(p is shared for m in model.modules() for p in m.parameters(recurse=False))
-    pack_tied = type(embed) is nn.Embedding and embed.max_norm is None and users == 2
+    scale = getattr(embed, "scalar_embed_scale", None)
+    plain = type(embed) is nn.Embedding or (isinstance(embed, nn.Embedding) and scale is not None)
+    pack_tied = plain and embed.max_norm is None and users == 2
     tied: list[PackedLinear] = []
 
     def make(linear: nn.Linear) -> nn.Module:
@@ -200,7 +217,8 @@ def use_kernel_linears_(model: nn.Module, activations: torch.dtype) -> int:
     count = _replace_linears(model, make)
     if tied:
         assert isinstance(embed, nn.Embedding)
-        model.set_input_embeddings(PackedEmbedding(embed, tied[0]))  # type: ignore[operator]
+        packed = PackedEmbedding(embed, tied[0], None if scale is None else float(scale))
+        model.set_input_embeddings(packed)  # type: ignore[operator]
     return count
 
 

@@ -151,3 +151,42 @@ def test_a_tied_head_is_packed_once_and_the_lookup_reads_it(checkpoint_dir, dtyp
             logits = hf(torch.tensor([p + gen])).logits[0, len(p) - 1 : -1].float()
             top5 = logits.topk(5, dim=-1).indices
             assert all(t in top5[i].tolist() for i, t in enumerate(gen))
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_a_head_tied_to_a_scaled_table_is_packed_and_the_lookup_scales_rows(weights):
+    """Gemma 3's table is a scaled embedding (rows times sqrt(hidden)) tied to the head: the
+    head is packed and the lookup gathers and scales its rows, as for a plain table. fp16 (a
+    GGUF F16 file's table) had no path at all: the head became a `GemvLinear`, which has no
+    fp16 kernel, and the load failed. Logits against HF running the same (fp16-valued)
+    weights in fp32."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from ember.compiler.loader import _widen_all_but_linear_weights
+    from ember.compiler.quant import PackedEmbedding, PackedLinear, use_kernel_linears_
+
+    if not kernels.available():
+        pytest.skip("ember's C++ kernels cannot be built here")
+    config = Gemma3TextConfig(
+        vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
+        sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(p.to(weights).float())
+    model = Gemma3ForCausalLM(config).eval().to(weights)
+    model.load_state_dict(reference.state_dict())
+    use_kernel_linears_(model, torch.float32)
+    _widen_all_but_linear_weights(model, torch.float32)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert isinstance(embed, PackedEmbedding) and isinstance(head, PackedLinear)
+    assert embed.packed is head.packed and head.packed.dtype == weights
+    assert embed.scale == pytest.approx(64**0.5)
+    ids = torch.tensor([[2, 17, 301, 42, 499, 7, 7, 123]])
+    with torch.inference_mode():
+        want, got = reference(ids).logits, model(ids).logits
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
