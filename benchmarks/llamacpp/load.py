@@ -1,10 +1,11 @@
 """Load time and memory of a GGUF file: ember against llama.cpp on the same file.
 
 ember: a fresh process per measurement; after the imports, `LLM(model=FILE)` to a ready engine
-with `compile=False` (the load itself) and with `compile=True` from a warm compile cache (what a
-served engine pays), and the process's RSS growth at its peak and after (VmHWM restarted after
-the imports). llama.cpp: `llama-batched-bench` generating one token, its wall time less the
-time it reports for the batch (model load, context set-up and tear-down). Medians of --repeats.
+with `compile=False` (the load itself) and with `compile=True` from the warm compile cache that
+`ember serve/bench/warmup` use (what a served engine pays), and the process's RSS growth at its
+peak and after (VmHWM restarted after the imports). llama.cpp: `llama-batched-bench` generating
+one token, its wall time less the time it reports for the batch (model load, context set-up and
+tear-down). Medians of --repeats.
 
 usage: python benchmarks/llamacpp/load.py LLAMA_CPP_BIN_DIR FILE.gguf [FILE.gguf ...]
 """
@@ -24,6 +25,7 @@ _CHILD = """
 import json, sys, time
 import torch
 from ember import LLM
+from ember.cli import default_compile_cache_dir
 
 def status(key):
     for line in open("/proc/self/status"):
@@ -34,7 +36,11 @@ before = status("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # VmHWM restarts from here
 start = time.perf_counter()
-llm = LLM(model=sys.argv[1], compile=sys.argv[2] == "1", kv_cache_gib=0.25, use_tqdm=False)
+compile = sys.argv[2] == "1"  # from the compile cache the CLI and the server use
+cache = default_compile_cache_dir() if compile else None
+llm = LLM(
+    model=sys.argv[1], compile=compile, compile_cache_dir=cache, kv_cache_gib=0.25, use_tqdm=False
+)
 ready = time.perf_counter() - start
 print(json.dumps({"s": ready, "grown": status("VmRSS") - before, "peak": status("VmHWM") - before}))
 """
