@@ -39,7 +39,12 @@ start = time.perf_counter()
 compile = sys.argv[2] == "1"  # from the compile cache the CLI and the server use
 cache = default_compile_cache_dir() if compile else None
 llm = LLM(
-    model=sys.argv[1], compile=compile, compile_cache_dir=cache, kv_cache_gib=0.25, use_tqdm=False
+    model=sys.argv[1],
+    compile=compile,
+    compile_cache_dir=cache,
+    kv_cache_gib=0.25,
+    max_model_len=2048,
+    use_tqdm=False,
 )
 ready = time.perf_counter() - start
 print(json.dumps({"s": ready, "grown": status("VmRSS") - before, "peak": status("VmHWM") - before}))

@@ -39,6 +39,7 @@ import os
 import pickle
 import struct
 import tempfile
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -51,10 +52,13 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from ember import kernels
 from ember.compiler.hf_config import UnsupportedModelError
 from ember.compiler.quant import (
+    BLOCK_TYPES,
     FUSED_PROJECTIONS,
     GROUP_SIZE,
+    Blocks,
     GroupEmbedding,
     GroupLinear,
+    Rows,
     place_fused,
     quantize_groups,
     row_chunk,
@@ -386,7 +390,6 @@ def _blocks(raw: np.ndarray, rows: int, block_bytes: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw).reshape(rows, -1, block_bytes).copy())
 
 
-Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # codes, scales, mins
 Release = Callable[[np.ndarray], None] | None
 
 
@@ -402,24 +405,28 @@ def _converter(qtype: Any) -> tuple[int, Callable[[np.ndarray], Rows]]:
     return 8, functools.partial(_values_rows, tensor_type=qtype)
 
 
-def _row_chunks(raw: np.ndarray, qtype: Any, release: Release) -> Iterator[Rows]:
+def _row_chunks(raw: np.ndarray, qtype: Any, release: Release) -> Iterator[Rows | Blocks]:
     """(codes, scales, mins) of `raw` (a `qtype` tensor's bytes, one row of blocks per output
     channel) a `row_chunk()` of rows at a time, for `GroupLinear.from_row_chunks`: a
     conversion's temporaries (codes one byte a value, widened copies) exist for one chunk at a
     time; over a whole embedding at once they took ~7x its bytes (qwen2-0.5b Q4_0: +1,000 MB
-    of peak RSS for a 350 MB file). `release(part)`, when given, is called with each chunk's
-    bytes once they are converted (the loader drops their file pages and trims the heap)."""
+    of peak RSS for a 350 MB file). Chunks of `BLOCK_TYPES` go to the kernels' packer as
+    they are (`Blocks`) once the kernels are built (qwen2-0.5b Q4_0 loads in ~1 s instead of
+    3.3; the converters here are its reference and serve while a first build compiles).
+    `release(part)`, when given, is called with each chunk's bytes once they are packed (the
+    loader drops their file pages and trims the heap)."""
     from gguf import GGML_QUANT_SIZES
 
     _, convert = _converter(qtype)
     values, nbytes = GGML_QUANT_SIZES[qtype]
-    step = row_chunk(raw.shape[1] // nbytes * values)
+    k = raw.shape[1] // nbytes * values
+    step = row_chunk(k)
+    packer = qtype.name in BLOCK_TYPES and kernels.ready()
     for r in range(0, raw.shape[0], step):
         part = raw[r : r + step]
-        converted = convert(part)
-        if release is not None:
+        yield Blocks(_bytes(part), k, qtype.name) if packer else convert(part)
+        if release is not None:  # the chunk is packed
             release(part)
-        yield converted
 
 
 def group_linear_from_file(
@@ -447,6 +454,14 @@ def fused_group_linear(
             [b.detach().float() if b is not None else torch.zeros(len(raw)) for raw, _, b in parts]
         )
     return GroupLinear.from_row_chunks(rows, bits, chunks, bias)
+
+
+def _bytes(part: np.ndarray) -> torch.Tensor:
+    """A chunk of a tensor's bytes as a uint8 tensor, without a copy (the packer only reads
+    it; the file's map is read-only)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        return torch.from_numpy(np.ascontiguousarray(part, dtype=np.uint8))
 
 
 def _block_rows(raw: np.ndarray, qtype: str) -> Rows:

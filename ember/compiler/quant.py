@@ -35,6 +35,7 @@ run dtype, since a lookup reads one row of it). Symmetric per-output-channel sca
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -261,6 +262,34 @@ def _from_panels(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t[rows // panel, :, rows % panel]
 
 
+# Rows of a group-quantized weight: codes [n, K] (int8 for 8 bits, else uint8), scales
+# [n, K / 32] (6 bits: [n, K / 16]) and offsets shaped as scales, or None.
+Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+class Blocks(NamedTuple):
+    """Rows of a weight as a GGUF file holds them: `data`, the bytes [n, row bytes] of blocks
+    of `type` (one of `BLOCK_TYPES`), each row `in_features` values. `GroupLinear.
+    from_row_chunks` packs them straight into its panels with `ember_cpu::group_pack_blocks`
+    (the kernels must be `ready`)."""
+
+    data: torch.Tensor
+    in_features: int
+    type: str
+
+
+# GGUF types the kernels pack from the file's blocks: their code bits and whether they have
+# offsets. Q8_0 / Q4_0 / Q4_1 exactly; Q4_K and Q6_K with each 32 (16) values' scale (and
+# offset) rounded to fp16, as their converters in `ember.compiler.gguf` do.
+BLOCK_TYPES = {
+    "Q8_0": (8, False),
+    "Q4_0": (4, False),
+    "Q4_1": (4, True),
+    "Q4_K": (4, True),
+    "Q6_K": (6, False),
+}
+
+
 class GroupLinear(nn.Module):
     """`y = x @ w.T + bias` with w in groups of 32 consecutive k of one output channel, each
     with an fp16 scale d (and an fp16 offset m for asymmetric 4-bit codes): w = d q (`bits=8`,
@@ -296,25 +325,34 @@ class GroupLinear(nn.Module):
         cls,
         out_features: int,
         bits: int,
-        chunks: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+        chunks: Iterable[Rows | Blocks],
         bias: torch.Tensor | None = None,
     ) -> GroupLinear:
-        """A `GroupLinear` built from consecutive row ranges `(codes, scales, mins)` of the
-        weight (as the constructor takes them), each packed into the panels as it arrives: a
-        converter that yields `row_chunk()` rows at a time holds only those rows' temporaries,
-        not several copies of a whole (embedding-sized) weight. Every chunk but the last has a
-        multiple of the panel width of rows."""
+        """A `GroupLinear` built from consecutive row ranges of the weight, each packed into the
+        panels as it arrives: `(codes, scales, mins)` as the constructor takes them, or
+        `Blocks` of a GGUF file. A converter that yields `row_chunk()` rows at a time holds
+        only those rows' temporaries, not several copies of a whole (embedding-sized) weight.
+        Every chunk but the last has a multiple of the panel width of rows."""
         chunks = iter(chunks)
         first = next(chunks)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._allocate(out_features, first[0].shape[1], bits, first[2] is not None, bias)
-        row = self._pack_rows(0, *first)
+        if isinstance(first, Blocks):
+            offsets = BLOCK_TYPES[first.type][1]
+            self._allocate(out_features, first.in_features, bits, offsets, bias)
+        else:
+            self._allocate(out_features, first[0].shape[1], bits, first[2] is not None, bias)
+        row = self._pack(0, first)
         for chunk in chunks:
-            row = self._pack_rows(row, *chunk)
+            row = self._pack(row, chunk)
         if row != out_features:
             raise ValueError(f"GroupLinear: chunks hold {row} rows, expected {out_features}")
         return self
+
+    def _pack(self, row: int, chunk: Rows | Blocks) -> int:
+        if isinstance(chunk, Blocks):
+            return self._pack_blocks(row, chunk)
+        return self._pack_rows(row, *chunk)
 
     def _allocate(
         self, n: int, k: int, bits: int, offsets: bool, bias: torch.Tensor | None
@@ -360,6 +398,15 @@ class GroupLinear(nn.Module):
                 f"GroupLinear: rows [{row}, {row + n}) do not start a panel of {panel} or pass "
                 f"{self.out_features} rows"
             )
+        scales = scales.to(torch.float16)
+        mins = None if mins is None else mins.to(torch.float16)
+        if kernels.ready():  # one pass in C++; the same bytes as the re-layout below
+            kernels.load()
+            codes = codes.to(torch.int8 if bits == 8 else torch.uint8)
+            torch.ops.ember_cpu.group_pack_codes(
+                self.codes, self.scales, self.mins, row, codes, scales, mins, bits
+            )
+            return row + n
         if bits == 8:
             stored = (codes.to(torch.int16) + 128).to(torch.uint8)
         else:
@@ -373,10 +420,26 @@ class GroupLinear(nn.Module):
             stored = stored.view(n, groups * 24)
         p0, p1 = row // panel, -(-(row + n) // panel)
         self.codes[p0:p1] = _quad_panels(stored)
-        self.scales[p0:p1] = _panels(scales.to(torch.float16))
+        self.scales[p0:p1] = _panels(scales)
         if mins is not None:
-            self.mins[p0:p1] = _panels(mins.to(torch.float16))
+            self.mins[p0:p1] = _panels(mins)
         return row + n
+
+    def _pack_blocks(self, row: int, blocks: Blocks) -> int:
+        """Pack rows [row, row + len(blocks.data)) straight from a GGUF file's blocks."""
+        if blocks.in_features != self.in_features or BLOCK_TYPES.get(blocks.type) != (
+            self.bits,
+            self.mins is not None,
+        ):
+            raise ValueError(
+                f"GroupLinear: {blocks.type} blocks of {blocks.in_features} values a row do "
+                f"not fit {self.bits}-bit groups of K = {self.in_features}"
+            )
+        kernels.load()
+        torch.ops.ember_cpu.group_pack_blocks(
+            self.codes, self.scales, self.mins, row, blocks.data, blocks.type
+        )
+        return row + blocks.data.shape[0]
 
     @property
     def weight(self) -> torch.Tensor:

@@ -34,6 +34,9 @@ of 32 k with fp16 scales (and offsets), in panels of output channels with each c
 consecutive k in one 32-bit lane; x is quantized to int8 per group of 32 and the products are
 summed in int32 (VNNI / vpmaddubsw); see `ember.compiler.quant.GroupLinear`. fp16 weights
 (GGUF's F16 tensors) pack as bf16 ones do and are widened exactly.
+`ember_cpu::group_pack_codes(codes!, scales!, mins!?, row, q, d, m?, bits)` and
+`ember_cpu::group_pack_blocks(codes!, scales!, mins!?, row, blocks, bits)` fill those panels
+at load, from rows of codes or straight from a GGUF tensor's Q8_0 / Q4_0 / Q4_1 bytes.
 
 `ember_cpu::bf16_linear(x, w_bf16, bias?)`: bf16 weights in the checkpoint's [N, K] layout (bf16
 activations on AMX CPUs, and LM heads tied to the input embedding): the
@@ -101,6 +104,8 @@ def _register_fakes() -> None:
     torch.library.register_fake("ember_cpu::paged_attention", _attention_fake)
     torch.library.register_fake("ember_cpu::apply_token_bitmask", lambda logits, bitmask: None)
     torch.library.register_fake("ember_cpu::row_max", _row_max_fake)
+    for name in ("group_pack_codes", "group_pack_blocks"):
+        torch.library.register_fake(f"ember_cpu::{name}", lambda *args: None)
 
 
 def _row_max_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,6 +164,13 @@ def bf16_pairs() -> bool:
 def loaded_isa() -> str | None:
     """The ISA the kernels of this process were built for, or None before `load`."""
     return _loaded_isa
+
+
+def ready() -> bool:
+    """True when the kernels are loaded, or built on disk for the ISA a `prebuild` started
+    (else the native one), so that `load` takes about 0.1 s: loaders use the kernels' packers
+    then, and their PyTorch equivalents while a first build is still compiling."""
+    return _loaded_isa is not None or os.path.exists(_build(_prebuild_isa or "native").library)
 
 
 def load(isa: str | None = None) -> None:

@@ -276,16 +276,21 @@ def test_the_readers_metadata_equals_the_gguf_packages_own_parse(tmp_path):
     ] == tokens
 
 
+@pytest.mark.parametrize("packer", ["kernels", "pytorch"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunk-per-panel"])
-def test_group_linear_from_blocks_reads_ggml_layouts_exactly(chunked, monkeypatch):
+def test_group_linear_from_blocks_reads_ggml_layouts_exactly(chunked, packer, monkeypatch):
     """Each kept type's raw blocks, as `gguf.quants` writes them, give the same weight values
-    as the package's own dequantizer, converted at once or a panel of rows at a time."""
+    as the package's own dequantizer, converted at once or a panel of rows at a time, by the
+    kernels' packer straight from the blocks or by the converters (while a build compiles)."""
     from ember import kernels
     from ember.compiler import gguf as ember_gguf
     from ember.compiler.gguf import group_linear_from_blocks
 
+    kernels.load()
     if chunked:
         monkeypatch.setattr(ember_gguf, "row_chunk", lambda k: kernels.panel_width())
+    if packer == "pytorch":
+        monkeypatch.setattr(kernels, "ready", lambda: False)
 
     w = torch.randn(37, 96).numpy()
     for qtype in ("Q8_0", "Q4_0", "Q4_1"):
@@ -306,6 +311,40 @@ def _random_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
     for at in scale_at:
         blocks[..., at : at + 2] = np.float16(0.01).reshape(1).view(np.uint8)
     return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
+def test_the_kernels_pack_file_blocks_as_the_converters_do(qtype, monkeypatch):
+    """`ember_cpu::group_pack_blocks` (what a load runs once the kernels are built) writes
+    the same panels as the converters (their reference): random blocks, rows past a panel
+    and chunked, K-quant scales rounded to fp16 alike; bad calls are refused."""
+    from ember import kernels
+    from ember.compiler import gguf as ember_gguf
+    from ember.compiler.gguf import group_linear_from_file
+
+    kernels.load()
+    panel = kernels.panel_width()
+    monkeypatch.setattr(ember_gguf, "row_chunk", lambda k: 2 * panel)
+    ggml_type = gguf.GGMLQuantizationType[qtype]
+    rows = 3 * panel + 5
+    if qtype.endswith("_K"):
+        raw = _random_blocks(qtype, rows, 512, seed=len(qtype))
+    else:
+        raw = gguf.quants.quantize(np.random.default_rng(1).standard_normal((rows, 512)), ggml_type)
+    packed = group_linear_from_file(raw, ggml_type)
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "ready", lambda: False)
+        converted = group_linear_from_file(raw, ggml_type)
+    for name, buf in converted.named_buffers():
+        assert torch.equal(getattr(packed, name), buf), (qtype, name)
+    blocks = torch.from_numpy(np.ascontiguousarray(raw[panel : 2 * panel]))
+    mins = None if packed.mins is None else packed.mins.clone()
+    args = (packed.codes.clone(), packed.scales.clone(), mins, panel, blocks, qtype)
+    torch.library.opcheck(torch.ops.ember_cpu.group_pack_blocks.default, args)
+    with pytest.raises(RuntimeError, match="unknown block type"):
+        torch.ops.ember_cpu.group_pack_blocks(*args[:5], "Q5_K")
+    with pytest.raises(RuntimeError, match="blocks of"):
+        torch.ops.ember_cpu.group_pack_blocks(*args[:4], blocks[:, :-1].contiguous(), qtype)
 
 
 def test_q4_k_becomes_4_bit_groups_with_offsets_within_fp16_rounding():

@@ -296,14 +296,16 @@ def test_group_linear_matches_float64(bits, symmetric, rows, n, k):
 
 
 @pytest.mark.parametrize(("bits", "symmetric"), GROUP_KINDS, ids=GROUP_IDS)
-def test_group_linear_from_row_chunks_equals_one_pass(bits, symmetric):
+def test_group_linear_from_row_chunks_equals_one_pass(bits, symmetric, monkeypatch):
     """Packing rows chunk by chunk (whole panels, then a partial last one) gives the same
-    buffers as packing the weight at once; chunks that do not start a panel, or too few
-    rows, are refused."""
+    buffers as packing the weight at once, and the kernels' packer (`group_pack_codes`) the
+    same bytes as the PyTorch re-layout it replaces (used while a first build compiles);
+    chunks that do not start a panel, or too few rows, are refused."""
     from ember.compiler.quant import GroupLinear
 
     n, k = 5 * kernels.panel_width() + 3, 96
     _, codes, scales, mins, b, _, _ = _group_case(1, n, k, bits, symmetric)
+    assert kernels.ready()
     whole = GroupLinear(codes, scales, mins, bits, b)
     step = 2 * kernels.panel_width()
     parts = [
@@ -311,10 +313,23 @@ def test_group_linear_from_row_chunks_equals_one_pass(bits, symmetric):
         for r in range(0, n, step)
     ]
     chunked = GroupLinear.from_row_chunks(n, bits, parts, b)
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "ready", lambda: False)
+        reference = GroupLinear(codes, scales, mins, bits, b)
+        reference_chunked = GroupLinear.from_row_chunks(n, bits, parts, b)
     assert (chunked.out_features, chunked.in_features, chunked.bits) == (n, k, bits)
-    for name, buf in whole.named_buffers():
-        other = getattr(chunked, name)
-        assert other.dtype == buf.dtype and torch.equal(other, buf), name
+    for name, buf in reference.named_buffers():
+        for other in (whole, chunked, reference_chunked):
+            theirs = getattr(other, name)
+            assert theirs.dtype == buf.dtype and torch.equal(theirs, buf), name
+    # Rows 2 panels in, through the op itself (opcheck runs it on copies).
+    rows = parts[1]
+    args = (whole.codes.clone(), whole.scales.clone(), whole.mins, step, *rows, bits)
+    if whole.mins is not None:
+        args = (*args[:2], whole.mins.clone(), *args[3:])
+    torch.library.opcheck(torch.ops.ember_cpu.group_pack_codes.default, args)
+    with pytest.raises(RuntimeError, match="do not start a panel"):
+        torch.ops.ember_cpu.group_pack_codes(*args[:3], 3, *args[4:])
     with pytest.raises(ValueError, match="do not start a panel"):
         short = (codes[:3], scales[:3], None if mins is None else mins[:3])
         GroupLinear.from_row_chunks(n, bits, [short, parts[1]])
