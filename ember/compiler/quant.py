@@ -279,14 +279,16 @@ class Blocks(NamedTuple):
 
 
 # GGUF types the kernels pack from the file's blocks: their code bits and whether they have
-# offsets. Q8_0 / Q4_0 / Q4_1 exactly; Q4_K and Q6_K with each 32 (16) values' scale (and
-# offset) rounded to fp16, as their converters in `ember.compiler.gguf` do.
+# offsets. Q8_0 / Q4_0 / Q4_1 exactly, Q5_0 exactly as 8-bit codes; Q4_K and Q6_K with each
+# 32 (16) values' scale (and offset) rounded to fp16, as their converters in
+# `ember.compiler.gguf` do.
 BLOCK_TYPES = {
     "Q8_0": (8, False),
     "Q4_0": (4, False),
     "Q4_1": (4, True),
     "Q4_K": (4, True),
     "Q6_K": (6, False),
+    "Q5_0": (8, False),
 }
 
 

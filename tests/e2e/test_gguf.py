@@ -307,13 +307,15 @@ def _random_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
     blocks = np.random.default_rng(seed).integers(
         0, 256, (rows, k // block_size, type_size), dtype=np.uint8
     )
-    scale_at = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [type_size - 2], "Q5_1": [0, 2]}[qtype]
+    scale_at = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [type_size - 2], "Q5_1": [0, 2]}.get(
+        qtype, [0]
+    )
     for at in scale_at:
         blocks[..., at : at + 2] = np.float16(0.01).reshape(1).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"])
 def test_the_kernels_pack_file_blocks_as_the_converters_do(qtype, monkeypatch):
     """`ember_cpu::group_pack_blocks` (what a load runs once the kernels are built) writes
     the same panels as the converters (their reference): random blocks, rows past a panel
@@ -327,8 +329,10 @@ def test_the_kernels_pack_file_blocks_as_the_converters_do(qtype, monkeypatch):
     monkeypatch.setattr(ember_gguf, "row_chunk", lambda k: 2 * panel)
     ggml_type = gguf.GGMLQuantizationType[qtype]
     rows = 3 * panel + 5
-    if qtype.endswith("_K"):
+    if qtype in ("Q4_K", "Q6_K", "Q5_0"):
         raw = _random_blocks(qtype, rows, 512, seed=len(qtype))
+        if qtype == "Q5_0":
+            raw.reshape(rows, -1, 22)[0, 1, :2] = 0  # a block with d = 0
     else:
         raw = gguf.quants.quantize(np.random.default_rng(1).standard_normal((rows, 512)), ggml_type)
     packed = group_linear_from_file(raw, ggml_type)

@@ -2030,7 +2030,7 @@ struct BlockType {
 };
 constexpr BlockType kBlockTypes[] = {
     {"Q8_0", 32, 34, 8, false}, {"Q4_0", 32, 18, 4, false},  {"Q4_1", 32, 20, 4, true},
-    {"Q4_K", 256, 144, 4, true}, {"Q6_K", 256, 210, 6, false},
+    {"Q4_K", 256, 144, 4, true}, {"Q6_K", 256, 210, 6, false}, {"Q5_0", 32, 22, 8, false},
 };
 
 inline uint16_t half_bits(float x) { return c10::Half(x).x; }  // round to nearest even
@@ -2041,8 +2041,9 @@ inline uint16_t half_bits(float x) { return c10::Half(x).x; }  // round to neare
 // bytes of 6-bit sc and m per 32 values, 128 bytes of nibbles: sub-blocks 2i and 2i + 1 in
 // the low and high nibbles of bytes 32i..32i + 31) as d sc and -dmin m rounded to fp16; Q6_K
 // (128 bytes of low nibbles, 64 of high pairs, 16 int8 sc, fp16 d) as codes q in [0, 63]
-// with scales d sc per 16 values rounded to fp16 (ggml's dequantizers' order). `q` is
-// scratch for a block's codes.
+// with scales d sc per 16 values rounded to fp16 (ggml's dequantizers' order); Q5_0 (fp16 d,
+// 32 high bits, 16 bytes of low nibbles as Q4_0's) exactly as 8-bit codes q - 16 (all 0
+// where d is 0, as the converter writes them). `q` is scratch for a block's codes.
 void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8_t* out,
                   uint16_t* d, uint16_t* m, int64_t P, uint8_t* q) {
   const std::string_view name = type.name;
@@ -2078,6 +2079,18 @@ void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8
         q[i] = uint8_t(low | high << 4);
       }
       store_codes(q, 256, 6, out + blk * 192);
+      continue;
+    }
+    if (name == "Q5_0") {
+      std::memcpy(d + blk * P, b, 2);
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      const bool zero = ((b[0] | b[1] << 8) & 0x7fff) == 0;
+      for (int t = 0; t < 32; ++t) {
+        const int low = t < 16 ? b[6 + t] & 15 : b[6 + t - 16] >> 4;
+        const int code = (low | (qh >> t & 1) << 4) - 16;
+        out[32 * blk + t] = uint8_t(zero ? 0 : code) ^ 0x80;
+      }
       continue;
     }
     const int64_t head = type.offsets ? 4 : 2;
