@@ -35,19 +35,12 @@ PROMPTS = [
 ]
 
 
-def _ranks(model, prompt: list[int], generated: list[int]) -> list[int]:
-    ids = torch.tensor([prompt + generated])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    chosen = logits.gather(1, torch.tensor(generated)[:, None])
-    return (logits > chosen).sum(dim=1).tolist()
-
-
 def agreement(path: str, max_tokens: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from ember import LLM, SamplingParams
     from ember.compiler.gguf import weight_types
+    from ember.tools.bench import teacher_forced_ranks
 
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     with LLM(model=path, compile=False, kv_cache_gib=0.05, max_model_len=256) as llm:
@@ -55,7 +48,9 @@ def agreement(path: str, max_tokens: int) -> dict:
     directory, name = os.path.split(path)
     hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     ranks = [
-        r for o in outs for r in _ranks(hf, list(o.prompt_token_ids), list(o.outputs[0].token_ids))
+        r
+        for o in outs
+        for r in teacher_forced_ranks(hf, list(o.prompt_token_ids), list(o.outputs[0].token_ids))
     ]
     return {
         "types": weight_types(path),

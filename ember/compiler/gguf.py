@@ -59,6 +59,7 @@ from ember.compiler.quant import (
     GroupEmbedding,
     GroupLinear,
     Rows,
+    gathers_rows,
     place_fused,
     quantize_groups,
     row_chunk,
@@ -730,9 +731,7 @@ def _groups_fit(module: nn.Module) -> bool:
     `scalar_embed_scale`)."""
     if isinstance(module, nn.Linear):
         return module.weight.shape[1] % GROUP_SIZE == 0
-    if not isinstance(module, nn.Embedding) or module.max_norm is not None:
-        return False
-    return type(module) is nn.Embedding or hasattr(module, "scalar_embed_scale")
+    return gathers_rows(module)
 
 
 def _set_tensor(module: nn.Module, attr: str, value: torch.Tensor, hf_name: str) -> None:

@@ -171,6 +171,14 @@ class GemvLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {dtype} GEMV"
 
 
+def gathers_rows(module: nn.Module | None) -> bool:
+    """An embedding whose lookup is a plain row gather, or one times a constant scale (Gemma's
+    `scalar_embed_scale`): its table can be read from a packed or quantized weight."""
+    if not isinstance(module, nn.Embedding) or module.max_norm is not None:
+        return False
+    return type(module) is nn.Embedding or hasattr(module, "scalar_embed_scale")
+
+
 def _replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
     targets = [
         (name, module) for name, module in model.named_modules() if type(module) is nn.Linear
@@ -198,8 +206,7 @@ def use_kernel_linears_(model: nn.Module, activations: torch.dtype) -> int:
     pairs = activations == torch.bfloat16 and kernels.bf16_pairs() and not cpu_has_amx()
     users = sum(p is shared for m in model.modules() for p in m.parameters(recurse=False))
     scale = getattr(embed, "scalar_embed_scale", None)
-    plain = type(embed) is nn.Embedding or (isinstance(embed, nn.Embedding) and scale is not None)
-    pack_tied = plain and embed.max_norm is None and users == 2
+    pack_tied = gathers_rows(embed) and users == 2
     tied: list[PackedLinear] = []
 
     def make(linear: nn.Linear) -> nn.Module:

@@ -174,6 +174,16 @@ def run_hf(
     return result
 
 
+def teacher_forced_ranks(model: Any, prompt: list[int], generated: list[int]) -> list[int]:
+    """Rank of each generated token in `model`'s (an HF causal LM's) logits at its step,
+    teacher-forced on `prompt + generated` (0: the model's argmax)."""
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    chosen = logits.gather(1, torch.tensor(generated)[:, None])
+    return (logits > chosen).sum(dim=1).tolist()
+
+
 def measure_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """Read bandwidth of this machine: median time to sum a large fp32 tensor."""
     x = torch.ones(num_bytes // 4)

@@ -16,6 +16,7 @@ import torch
 
 from ember import LLM, SamplingParams
 from ember.compiler.quant import FusedSlice, GroupEmbedding, GroupLinear, _from_panels
+from ember.tools.bench import teacher_forced_ranks
 from ember.tools.gguf_writer import write_gguf
 from tests.conftest import make_prompts
 
@@ -57,15 +58,6 @@ def _hf(path: str):
     return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
 
 
-def _ranks(model, prompt: list[int], generated: list[int]) -> list[int]:
-    """Rank of each generated token in HF's logits at that step, teacher-forced (0 = argmax)."""
-    ids = torch.tensor([prompt + generated])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1]
-    chosen = logits.gather(1, torch.tensor(generated)[:, None])
-    return (logits > chosen).sum(dim=1).tolist()
-
-
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2"])
 def test_gguf_greedy_matches_hf_on_the_same_file(gguf_file, qtype, shape):
@@ -92,7 +84,7 @@ def test_gguf_greedy_matches_hf_on_the_same_file(gguf_file, qtype, shape):
         pool = llm.llm_engine.block_manager
         assert pool.num_free_blocks == pool.num_blocks - 1
     hf = _hf(path)
-    ranks = [r for p, g in zip(prompts, outs, strict=True) for r in _ranks(hf, p, g)]
+    ranks = [r for p, g in zip(prompts, outs, strict=True) for r in teacher_forced_ranks(hf, p, g)]
     # The same weights; quantized types multiply int8-quantized activations, as llama.cpp
     # does (float types: fp32 math): HF's top 5 at every step, mostly its argmax.
     assert max(ranks) < 5, ranks
@@ -119,7 +111,7 @@ def test_gguf_mistral_file_loads_where_hf_cannot(gguf_file):
         if param.dim() == 2:
             raw = gguf.quants.quantize(param.detach().numpy(), q8)
             param.data = torch.from_numpy(gguf.quants.dequantize(raw, q8))
-    ranks = [r for p, g in zip(prompts, outs, strict=True) for r in _ranks(hf, p, g)]
+    ranks = [r for p, g in zip(prompts, outs, strict=True) for r in teacher_forced_ranks(hf, p, g)]
     assert max(ranks) < 5, ranks
     assert sum(r == 0 for r in ranks) >= 0.75 * len(ranks), ranks
 
@@ -582,7 +574,7 @@ def test_int4_matches_its_dequantized_weights_in_hf(checkpoint_dir):
     for module in hf.modules():
         if isinstance(module, torch.nn.Linear):
             module.weight.data = _naive_int4(module.weight.data)
-    ranks = [r for p, g in zip(prompts, outs, strict=True) for r in _ranks(hf, p, g)]
+    ranks = [r for p, g in zip(prompts, outs, strict=True) for r in teacher_forced_ranks(hf, p, g)]
     assert max(ranks) < 5, ranks
     assert sum(r == 0 for r in ranks) >= 0.9 * len(ranks), ranks
 
@@ -626,7 +618,9 @@ def test_the_demo_model_gemma3_270m_q4_k_m_matches_hf():
     )
     hf = _hf(path)
     ranks = [
-        r for o in outs for r in _ranks(hf, list(o.prompt_token_ids), list(o.outputs[0].token_ids))
+        r
+        for o in outs
+        for r in teacher_forced_ranks(hf, list(o.prompt_token_ids), list(o.outputs[0].token_ids))
     ]
     assert max(ranks) < 5, ranks
     assert sum(r == 0 for r in ranks) >= 0.9 * len(ranks), ranks
