@@ -209,6 +209,25 @@ def test_a_prebuild_runs_in_the_background_and_load_waits_for_it():
     assert float(child.stdout.strip().splitlines()[-1]) < 0.05  # x is quantized to int8
 
 
+def test_load_without_an_isa_takes_the_one_a_prebuild_started(monkeypatch, tmp_path):
+    """The loaders call `load()` / `ready()` without an ISA: with `cpu_isa="avx2"` prebuilt,
+    they must take the AVX2 build, not load the native one first (which the engine's own
+    `load("avx2")` would then refuse)."""
+    from ember import kernels
+
+    loaded: list[str] = []
+    monkeypatch.setattr(kernels, "_loaded_isa", None)
+    monkeypatch.setattr(kernels, "_prebuild_isa", "avx2")
+    monkeypatch.setattr(kernels, "_build_and_load", loaded.append)
+    library = tmp_path / "ember_cpu.so"
+    monkeypatch.setattr(kernels, "_build", lambda isa: kernels._Build(str(library), [isa]))
+    assert not kernels.ready()
+    library.write_bytes(b"")
+    assert kernels.ready()
+    kernels.load()
+    assert loaded == ["avx2"] and kernels.loaded_isa() == "avx2"
+
+
 def test_the_ember_command_reads_the_cpu_isa_flag():
     from ember.entry import _cpu_isa
 

@@ -35,8 +35,9 @@ consecutive k in one 32-bit lane; x is quantized to int8 per group of 32 and the
 summed in int32 (VNNI / vpmaddubsw); see `ember.compiler.quant.GroupLinear`. fp16 weights
 (GGUF's F16 tensors) pack as bf16 ones do and are widened exactly.
 `ember_cpu::group_pack_codes(codes!, scales!, mins!?, row, q, d, m?, bits)` and
-`ember_cpu::group_pack_blocks(codes!, scales!, mins!?, row, blocks, bits)` fill those panels
-at load, from rows of codes or straight from a GGUF tensor's Q8_0 / Q4_0 / Q4_1 bytes.
+`ember_cpu::group_pack_blocks(codes!, scales!, mins!?, row, blocks, type)` fill those panels
+at load, from rows of codes or straight from a GGUF tensor's bytes (Q8_0, Q4_0, Q4_1, Q5_0,
+Q4_K, Q6_K; `ember.compiler.quant.BLOCK_TYPES`).
 
 `ember_cpu::bf16_linear(x, w_bf16, bias?)`: bf16 weights in the checkpoint's [N, K] layout (bf16
 activations on AMX CPUs, and LM heads tied to the input embedding): the
@@ -175,9 +176,10 @@ def ready() -> bool:
 
 def load(isa: str | None = None) -> None:
     """Build (first time on this machine) and load the kernels for `isa` (None: the loaded one,
-    else "native"); registers `ember_cpu` ops. A process holds one build: asking for another
-    ISA after loading raises RuntimeError. Needs a C++ compiler, as inductor does; raises
-    RuntimeError naming the build dir if the build fails. Waits for a `prebuild` in flight."""
+    else the one a `prebuild` started, else "native"); registers `ember_cpu` ops. A process
+    holds one build: asking for another ISA after loading raises RuntimeError. Needs a C++
+    compiler, as inductor does; raises RuntimeError naming the build dir if the build fails.
+    Waits for a `prebuild` in flight."""
     global _loaded_isa
     if _loaded_isa is not None and isa in (None, _loaded_isa):
         return
@@ -189,7 +191,7 @@ def load(isa: str | None = None) -> None:
                     f"cpu_isa={isa!r} needs a new process"
                 )
             return
-        isa = isa or "native"
+        isa = isa or _prebuild_isa or "native"
         _build_and_load(isa)
         _loaded_isa = isa
 
