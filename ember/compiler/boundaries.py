@@ -27,6 +27,8 @@ OPAQUE_OPS: dict[str, str] = {
     "ember_cpu::group_linear": "ember.kernels",
     "ember_cpu::pack_linear_weight": "ember.kernels",
     "ember_cpu::pack_bf16_pairs": "ember.kernels",
+    "ember_cpu::group_pack_codes": "ember.kernels",  # load time only, never in a graph
+    "ember_cpu::group_pack_blocks": "ember.kernels",
     "ember_cpu::apply_token_bitmask": "ember.kernels",
     "ember_cpu::row_max": "ember.kernels",
     "ember_cpu::bf16_linear": "ember.kernels",
