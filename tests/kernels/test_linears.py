@@ -296,6 +296,29 @@ def test_group_linear_matches_float64(bits, symmetric, rows, n, k):
 
 
 @pytest.mark.parametrize(("bits", "symmetric"), GROUP_KINDS, ids=GROUP_IDS)
+@pytest.mark.parametrize("rows", [1, 2, 7])
+def test_group_linear_sums_at_the_code_and_activation_extremes(bits, symmetric, rows):
+    """Every code at the top (or bottom) of its range against every x at +-127 after
+    quantization: the largest integer sums a group can make, exact (the kernels without VNNI
+    add byte products in int16 lanes before widening; an overflow would wrap)."""
+    from ember.compiler.quant import GroupLinear
+
+    n, k = 40, 96
+    high = {8: 127, 6: 63, 4: 15}[bits]
+    low = -127 if bits == 8 else 0
+    for code, sign in ((high, 1.0), (high, -1.0), (low, 1.0), (low, -1.0)):
+        codes = torch.full((n, k), code, dtype=torch.int8 if bits == 8 else torch.uint8)
+        scales = torch.full((n, k // (16 if bits == 6 else 32)), 0.5).half()
+        mins = None if symmetric else torch.full((n, k // 32), -0.25).half()
+        x = torch.full((rows, k), sign)
+        w = code - {8: 0, 6: 32, 4: 8 if symmetric else 0}[bits] * torch.ones(n, k).double()
+        w = w * 0.5 + (0 if symmetric else -0.25)
+        ref = _quantized_x(x).double() @ w.t()
+        out = GroupLinear(codes, scales, mins, bits, None)(x)
+        torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("bits", "symmetric"), GROUP_KINDS, ids=GROUP_IDS)
 def test_group_linear_from_row_chunks_equals_one_pass(bits, symmetric, monkeypatch):
     """Packing rows chunk by chunk (whole panels, then a partial last one) gives the same
     buffers as packing the weight at once, and the kernels' packer (`group_pack_codes`) the
@@ -324,9 +347,8 @@ def test_group_linear_from_row_chunks_equals_one_pass(bits, symmetric, monkeypat
             assert theirs.dtype == buf.dtype and torch.equal(theirs, buf), name
     # Rows 2 panels in, through the op itself (opcheck runs it on copies).
     rows = parts[1]
-    args = (whole.codes.clone(), whole.scales.clone(), whole.mins, step, *rows, bits)
-    if whole.mins is not None:
-        args = (*args[:2], whole.mins.clone(), *args[3:])
+    panel_mins = None if whole.mins is None else whole.mins.clone()
+    args = (whole.codes.clone(), whole.scales.clone(), panel_mins, step, *rows, bits)
     torch.library.opcheck(torch.ops.ember_cpu.group_pack_codes.default, args)
     with pytest.raises(RuntimeError, match="do not start a panel"):
         torch.ops.ember_cpu.group_pack_codes(*args[:3], 3, *args[4:])

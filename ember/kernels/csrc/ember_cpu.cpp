@@ -17,7 +17,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -1030,6 +1029,12 @@ inline vint dot_s8s8(vint acc, vint a, vint b) {
   const vint a_signed = _mm512_mask_sub_epi8(a, negative, _mm512_setzero_si512(), a);
   return dot_u8s8(acc, _mm512_abs_epi8(b), a_signed);
 }
+inline vint dot4(vint acc, vint a, vint b) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(a, b)); }
+inline vint add4(vint a, vint b) { return _mm512_add_epi16(a, b); }
+inline vint sums4(vint acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
+inline vint dot_pair(vint acc, vint a, vint b, vint c, vint d) {
+  return _mm512_add_epi32(acc, sums4(_mm512_add_epi16(_mm512_maddubs_epi16(a, b), _mm512_maddubs_epi16(c, d))));
+}
 #endif
 #else
 using vint = __m256i;
@@ -1066,12 +1071,31 @@ inline vint dot_u8s8(vint acc, vint a, vint b) {  // a <= 63 (4-, 6-bit codes): 
 inline vint dot_s8s8(vint acc, vint a, vint b) {
   return dot_u8s8(acc, _mm256_abs_epi8(b), _mm256_sign_epi8(a, b));
 }
+inline vint dot4(vint acc, vint a, vint b) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(a, b)); }
+inline vint add4(vint a, vint b) { return _mm256_add_epi16(a, b); }
+inline vint sums4(vint acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+inline vint dot_pair(vint acc, vint a, vint b, vint c, vint d) {
+  return _mm256_add_epi32(acc, sums4(_mm256_add_epi16(_mm256_maddubs_epi16(a, b), _mm256_maddubs_epi16(c, d))));
+}
 #endif
 #endif
 // 8-bit codes are stored as q + 128. With VNNI they are the unsigned operand and each group's
 // sum is corrected by 128 * sum(xq); without it they are flipped back to signed q once per
 // vector (shared by the rows) for the sign trick, which needs no correction.
+//
+// 4-bit codes: dot4 sums a group's byte products into acc, add4 adds two such sums and sums4
+// turns one into int32 channel sums. Without VNNI the pair sums of vpmaddubsw (at most
+// 2 * 15 * 127 = 3810) add up in int16 lanes over a group (8 per accumulator: 30480 < 2^15)
+// and are widened by one vpmaddwd per group, not one per product: 9 multiply uops per code
+// vector, row and group instead of 16. 6-bit codes (up to 63: 2 * 63 * 127 = 16002 per pair
+// sum) take two products per widening: dot_pair, acc += a . b + c . d.
 #ifdef EMBER_VNNI
+inline vint dot4(vint acc, vint a, vint b) { return dot_u8s8(acc, a, b); }
+inline vint add4(vint a, vint b) { return iadd(a, b); }
+inline vint sums4(vint acc) { return acc; }
+inline vint dot_pair(vint acc, vint a, vint b, vint c, vint d) {
+  return dot_u8s8(dot_u8s8(acc, a, b), c, d);
+}
 inline vint codes8(vint v) { return v; }
 inline vint dot8(vint acc, vint codes, vint xb) { return dot_u8s8(acc, codes, xb); }
 constexpr int32_t kCode8Bias = 128;
@@ -1094,22 +1118,31 @@ constexpr int kGroup6RowBlock = 4;
 // Sums of one lane row of 4-bit (or widened 6-bit) codes, k 8i .. 8i + 7 of a panel's two
 // vectors of channels (lo0/lo1: the low four k, hi0/hi1: the high four), times each row's x
 // (xg: the group's, a row every K). One row in four chains (s, then e for the high k: a decode
-// is latency-bound; the caller adds e to s), more rows in two.
-template <int MR>
+// is latency-bound; the caller adds e to s), more rows in two. `Nibbles`: 4-bit codes, summed
+// by dot4 (the caller finishes with sums4); else 6-bit ones, by dot_u8s8 and dot_pair.
+template <int MR, bool Nibbles>
 inline void nibble_dots(const int8_t* xg, int64_t K, int64_t i, vint lo0, vint lo1, vint hi0,
                         vint hi1, vint* s0, vint* s1, vint& e0, vint& e1) {
+  const auto dot = [](vint acc, vint a, vint b) {
+    if constexpr (Nibbles) return dot4(acc, a, b);
+    else return dot_u8s8(acc, a, b);
+  };
+  const auto dot2 = [&](vint acc, vint a, vint b, vint c, vint d) {
+    if constexpr (Nibbles) return dot(dot(acc, a, b), c, d);
+    else return dot_pair(acc, a, b, c, d);
+  };
   if constexpr (MR == 1) {
     const vint xl = ibcast(xg + 8 * i), xh = ibcast(xg + 8 * i + 4);
-    s0[0] = dot_u8s8(s0[0], lo0, xl);
-    s1[0] = dot_u8s8(s1[0], lo1, xl);
-    e0 = dot_u8s8(e0, hi0, xh);
-    e1 = dot_u8s8(e1, hi1, xh);
+    s0[0] = dot(s0[0], lo0, xl);
+    s1[0] = dot(s1[0], lo1, xl);
+    e0 = dot(e0, hi0, xh);
+    e1 = dot(e1, hi1, xh);
   } else {
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const vint xl = ibcast(xg + r * K + 8 * i), xh = ibcast(xg + r * K + 8 * i + 4);
-      s0[r] = dot_u8s8(dot_u8s8(s0[r], lo0, xl), hi0, xh);
-      s1[r] = dot_u8s8(dot_u8s8(s1[r], lo1, xl), hi1, xh);
+      s0[r] = dot2(s0[r], lo0, xl, hi0, xh);
+      s1[r] = dot2(s1[r], lo1, xl, hi1, xh);
     }
   }
 }
@@ -1178,7 +1211,7 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
           const vint lo1 = ior(low_nibbles(b1), u ? high_pair<4>(p1) : high_pair<0>(p1));
           const vint hi0 = ior(high_nibbles(b0), u ? high_pair<6>(p0) : high_pair<2>(p0));
           const vint hi1 = ior(high_nibbles(b1), u ? high_pair<6>(p1) : high_pair<2>(p1));
-          nibble_dots<MR>(xg, K, i, lo0, lo1, hi0, hi1, s0, s1, e0, e1);
+          nibble_dots<MR, false>(xg, K, i, lo0, lo1, hi0, hi1, s0, s1, e0, e1);
         }
         if constexpr (MR == 1) {
           s0[0] = iadd(s0[0], e0);
@@ -1218,11 +1251,16 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
         const vint b0 = iload(q + 2 * i * kVec), b1 = iload(q + (2 * i + 1) * kVec);
         const vint lo0 = low_nibbles(b0), lo1 = low_nibbles(b1);
         const vint hi0 = high_nibbles(b0), hi1 = high_nibbles(b1);
-        nibble_dots<MR>(xg, K, i, lo0, lo1, hi0, hi1, s0, s1, h0, h1);
+        nibble_dots<MR, true>(xg, K, i, lo0, lo1, hi0, hi1, s0, s1, h0, h1);
       }
       if constexpr (MR == 1) {
-        s0[0] = iadd(s0[0], h0);
-        s1[0] = iadd(s1[0], h1);
+        s0[0] = add4(s0[0], h0);
+        s1[0] = add4(s1[0], h1);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        s0[r] = sums4(s0[r]);
+        s1[r] = sums4(s1[r]);
       }
     }
     const vfloat d0 = vhalf(dp + g * kPanel), d1 = vhalf(dp + g * kPanel + kLanes);
@@ -2021,16 +2059,25 @@ void store_codes(const uint8_t* q, int64_t K, int64_t bits, uint8_t* out) {
   }
 }
 
-// GGUF block types `group_pack_blocks` reads: values per block, bytes per block, code bits,
-// offsets, scales per block.
+// GGUF block types `group_pack_blocks` reads: name, values per block, bytes per block, code
+// bits of the panels they fill, whether those carry offsets, and the decoder in store_blocks
+// (kPlain: an fp16 scale, an fp16 offset where `offsets`, then the codes: Q8_0, Q4_0, Q4_1).
+// The table of which types are packed how is mirrored by ember.compiler.quant.BLOCK_TYPES;
+// each call checks its panels against this one.
+enum class BlockDecoder { kPlain, kQ4K, kQ6K, kQ5_0 };
 struct BlockType {
   const char* name;
   int64_t values, bytes, bits;
   bool offsets;
+  BlockDecoder decoder;
 };
 constexpr BlockType kBlockTypes[] = {
-    {"Q8_0", 32, 34, 8, false}, {"Q4_0", 32, 18, 4, false},  {"Q4_1", 32, 20, 4, true},
-    {"Q4_K", 256, 144, 4, true}, {"Q6_K", 256, 210, 6, false}, {"Q5_0", 32, 22, 8, false},
+    {"Q8_0", 32, 34, 8, false, BlockDecoder::kPlain},
+    {"Q4_0", 32, 18, 4, false, BlockDecoder::kPlain},
+    {"Q4_1", 32, 20, 4, true, BlockDecoder::kPlain},
+    {"Q4_K", 256, 144, 4, true, BlockDecoder::kQ4K},
+    {"Q6_K", 256, 210, 6, false, BlockDecoder::kQ6K},
+    {"Q5_0", 32, 22, 8, false, BlockDecoder::kQ5_0},
 };
 
 inline uint16_t half_bits(float x) { return c10::Half(x).x; }  // round to nearest even
@@ -2046,10 +2093,9 @@ inline uint16_t half_bits(float x) { return c10::Half(x).x; }  // round to neare
 // where d is 0, as the converter writes them). `q` is scratch for a block's codes.
 void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8_t* out,
                   uint16_t* d, uint16_t* m, int64_t P, uint8_t* q) {
-  const std::string_view name = type.name;
   for (int64_t blk = 0; blk < K / type.values; ++blk) {
     const uint8_t* b = blocks + blk * type.bytes;
-    if (name == "Q4_K") {
+    if (type.decoder == BlockDecoder::kQ4K) {
       const float dd = c10::detail::fp16_ieee_to_fp32_value(b[0] | b[1] << 8);
       const float dmin = c10::detail::fp16_ieee_to_fp32_value(b[2] | b[3] << 8);
       const uint8_t* sm = b + 4;
@@ -2067,7 +2113,7 @@ void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8
       store_codes(q, 256, 4, out + blk * 128);
       continue;
     }
-    if (name == "Q6_K") {
+    if (type.decoder == BlockDecoder::kQ6K) {
       const uint8_t *ql = b, *qh = b + 128;
       const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
       const float dd = c10::detail::fp16_ieee_to_fp32_value(b[208] | b[209] << 8);
@@ -2081,7 +2127,7 @@ void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8
       store_codes(q, 256, 6, out + blk * 192);
       continue;
     }
-    if (name == "Q5_0") {
+    if (type.decoder == BlockDecoder::kQ5_0) {
       std::memcpy(d + blk * P, b, 2);
       uint32_t qh;
       std::memcpy(&qh, b + 2, 4);
