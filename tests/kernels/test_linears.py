@@ -306,13 +306,14 @@ def test_group_linear_sums_at_the_code_and_activation_extremes(bits, symmetric, 
     n, k = 40, 96
     high = {8: 127, 6: 63, 4: 15}[bits]
     low = -127 if bits == 8 else 0
+    offset = {8: 0, 6: 32, 4: 8 if symmetric else 0}[bits]  # what the stored codes carry
     for code, sign in ((high, 1.0), (high, -1.0), (low, 1.0), (low, -1.0)):
         codes = torch.full((n, k), code, dtype=torch.int8 if bits == 8 else torch.uint8)
         scales = torch.full((n, k // (16 if bits == 6 else 32)), 0.5).half()
         mins = None if symmetric else torch.full((n, k // 32), -0.25).half()
         x = torch.full((rows, k), sign)
-        w = code - {8: 0, 6: 32, 4: 8 if symmetric else 0}[bits] * torch.ones(n, k).double()
-        w = w * 0.5 + (0 if symmetric else -0.25)
+        value = (code - offset) * 0.5 + (0 if symmetric else -0.25)  # d q (+ m)
+        w = torch.full((n, k), value, dtype=torch.float64)
         ref = _quantized_x(x).double() @ w.t()
         out = GroupLinear(codes, scales, mins, bits, None)(x)
         torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=1e-6)
