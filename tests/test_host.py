@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
 
 import pytest
 
@@ -57,6 +58,70 @@ def test_kernel_build_dir_falls_back_to_a_fresh_private_dir(tmp_path, monkeypatc
     os.chmod(good, 0o777)
     fallback = kernels._build_dir("ember_cpu-test")
     assert fallback != good and _mode(fallback) == 0o700 and not os.listdir(fallback)
+
+
+def test_prune_cache_evicts_least_recently_used_entries_idle_long_enough(tmp_path):
+    now = time.time()
+
+    def entry(name: str, nbytes: int, age_s: float, directory: bool = False) -> str:
+        path = tmp_path / name
+        if directory:  # a compile-cache entry: a tree of files
+            (path / "graphs").mkdir(parents=True)
+            (path / "graphs" / "g.bin").write_bytes(b"x" * (nbytes - 10))
+            (path / "key.json").write_bytes(b"x" * 10)
+        else:
+            path.write_bytes(b"x" * nbytes)
+        os.utime(path, (now - age_s, now - age_s))
+        return str(path)
+
+    oldest = entry("a.pkl", 300, age_s=9000)
+    old_tree = entry("b", 300, age_s=8000, directory=True)
+    kept = entry("c.pkl", 300, age_s=7000)  # the one just written, whatever its mtime
+    used = entry("d.pkl", 300, age_s=7000)
+    host.touch(used)  # read just now: recently used
+    recent = entry("e.pkl", 300, age_s=60)  # another process may be reading it
+    hidden = entry(".tmp-f", 300, age_s=9000)  # being written
+    entry(".evicted-g-1", 300, age_s=9000, directory=True)  # left by a killed process
+
+    # 1800 bytes (the leftover is deleted, not counted), over 800: the two oldest go, and
+    # every other entry is exempt.
+    evicted = host.prune_cache(str(tmp_path), 800, keep=kept)
+    assert evicted == [oldest, old_tree]
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        os.path.basename(p) for p in (kept, used, recent, hidden)
+    )
+    # Nothing else is old enough to go, however far over the cap the rest is.
+    assert host.prune_cache(str(tmp_path), 0, keep=kept) == []
+    assert host.prune_cache(str(tmp_path / "missing"), 0) == []
+
+
+def test_compile_cache_default_is_the_user_cache_and_only_it_is_pruned(tmp_path, monkeypatch):
+    from ember.compiler import cache
+    from ember.runtime.config import _compile_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("EMBER_DISABLE_COMPILE_CACHE")
+    default = str(tmp_path / "xdg" / "ember" / "compile")
+    assert _compile_cache_dir("auto", freeze_weights=False) == default
+    assert _compile_cache_dir("auto", freeze_weights=True) is None  # frozen: not cacheable
+    assert _compile_cache_dir("", freeze_weights=False) is None
+    assert _compile_cache_dir(None, freeze_weights=False) is None
+    assert _compile_cache_dir("/some/dir", freeze_weights=False) == "/some/dir"
+    monkeypatch.setenv("EMBER_DISABLE_COMPILE_CACHE", "1")
+    assert _compile_cache_dir("auto", freeze_weights=False) is None
+    assert _compile_cache_dir("/some/dir", freeze_weights=False) == "/some/dir"
+
+    monkeypatch.setattr(cache, "COMPILE_CACHE_MAX_BYTES", 0)
+    old = time.time() - 2 * host.PRUNE_MIN_IDLE_S
+    for directory in (default, str(tmp_path / "mine")):
+        first = cache.mark_complete(directory, {"n": 1})
+        os.utime(first, (old, old))
+        second = cache.mark_complete(directory, {"n": 2})
+        assert cache.lookup(directory, {"n": 2})
+        # Over the cap: the default cache keeps only the entry just made; a dir the user
+        # named keeps everything.
+        expect = [second] if directory == default else sorted([first, second])
+        assert sorted(os.path.join(directory, e) for e in os.listdir(directory)) == expect
 
 
 def test_cpu_target_is_the_exact_march_expansion():

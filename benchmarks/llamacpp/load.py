@@ -25,7 +25,6 @@ _CHILD = """
 import json, sys, time
 import torch
 from ember import LLM
-from ember.cli import default_compile_cache_dir
 
 def status(key):
     for line in open("/proc/self/status"):
@@ -37,7 +36,7 @@ with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # VmHWM restarts from here
 start = time.perf_counter()
 compile = sys.argv[2] == "1"  # from the compile cache the CLI and the server use
-cache = default_compile_cache_dir() if compile else None
+cache = "auto" if compile else None
 llm = LLM(
     model=sys.argv[1],
     compile=compile,

@@ -1,4 +1,5 @@
-"""Compile-cache directory: layout, key and lookup. Used by `ember warmup` and the engine.
+"""Compile-cache directory: layout, key, lookup and eviction. Used by `ember warmup` and the
+engine.
 
 Layout: `<cache_dir>/<key>/graphs/<forward>-<graph>.bin` is one compiled graph of that engine
 shape (`CompiledForward`: Dynamo's bytecode and the inductor graph, loaded without tracing),
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from ember.compiler.loader import LoadedModel
-from ember.host import cpu_target
+from ember.host import cpu_target, default_compile_cache_dir, prune_cache, touch
 from ember.version import __version__
 
 logger = logging.getLogger("ember")
@@ -125,8 +126,11 @@ def graph_file(cache_dir: str, parts: dict[str, Any], name: str) -> str:
 
 
 def lookup(cache_dir: str, parts: dict[str, Any]) -> bool:
-    """True when a complete entry for `parts` exists; else log one line saying why not."""
-    if os.path.isfile(os.path.join(entry_dir(cache_dir, parts), KEY_FILE)):
+    """True when a complete entry for `parts` exists (marked as just used); else log one line
+    saying why not (the start is slow then: it compiles)."""
+    entry = entry_dir(cache_dir, parts)
+    if os.path.isfile(os.path.join(entry, KEY_FILE)):
+        touch(entry)
         return True
     logger.warning(
         "compile cache %s has no entry for this engine (%s); compiling",
@@ -136,12 +140,27 @@ def lookup(cache_dir: str, parts: dict[str, Any]) -> bool:
     return False
 
 
+# What the default compile cache keeps, least recently used entries first out (entries of
+# the test and benchmark models measured 7-12 MB).
+COMPILE_CACHE_MAX_BYTES = 2 << 30
+
+
 def mark_complete(cache_dir: str, parts: dict[str, Any]) -> str:
+    """Mark the entry of `parts` complete (every graph saved). In the default cache dir, the
+    least recently used entries then go while it holds over `COMPILE_CACHE_MAX_BYTES`: its
+    key changes with ember's and torch's versions, so entries only a past version could load
+    would pile up. A dir given explicitly is left as it is."""
     entry = entry_dir(cache_dir, parts)
     os.makedirs(entry, exist_ok=True)
     with open(os.path.join(entry, KEY_FILE), "w") as f:
         json.dump(parts, f, indent=1, sort_keys=True)
+    if _is_default(cache_dir):
+        prune_cache(cache_dir, COMPILE_CACHE_MAX_BYTES, keep=entry)
     return entry
+
+
+def _is_default(cache_dir: str) -> bool:
+    return os.path.realpath(cache_dir) == os.path.realpath(default_compile_cache_dir())
 
 
 def _describe_mismatch(cache_dir: str, parts: dict[str, Any]) -> str:

@@ -64,7 +64,7 @@ from ember.compiler.quant import (
     quantize_groups,
     row_chunk,
 )
-from ember.host import HeapTrimmer, private_dir, user_cache_dir
+from ember.host import HeapTrimmer, private_dir, prune_cache, touch, user_cache_dir
 
 logger = logging.getLogger("ember")
 
@@ -338,6 +338,11 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     return tokenizer
 
 
+# The converted configs and tokenizers kept (least recently used first out): a Gemma 3
+# tokenizer pickles to 14 MB.
+GGUF_CACHE_MAX_BYTES = 512 << 20
+
+
 def _cache_entry(path: str, what: str) -> str | None:
     """Where ember keeps `what` ("config", "tokenizer") converted from the GGUF file `path`:
     `~/.cache/ember/gguf/<key>-<what>.pkl`, the key from the file's real path, size and mtime
@@ -364,10 +369,12 @@ def _load_pickle(entry: str | None, what: str) -> Any:
         return None
     try:
         with open(entry, "rb") as f:
-            return pickle.load(f)
+            obj = pickle.load(f)
     except Exception as e:  # noqa: BLE001  (any unpickling failure: convert again)
         logger.warning("converting the %s again: cannot read %s (%s)", what, entry, e)
         return None
+    touch(entry)
+    return obj
 
 
 def _save_pickle(obj: Any, entry: str | None) -> None:
@@ -384,6 +391,8 @@ def _save_pickle(obj: Any, entry: str | None) -> None:
         logger.debug("not cached in %s: %s", entry, e)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        return
+    prune_cache(os.path.dirname(entry), GGUF_CACHE_MAX_BYTES, keep=entry)
 
 
 def _blocks(raw: np.ndarray, rows: int, block_bytes: int) -> torch.Tensor:

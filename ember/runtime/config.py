@@ -28,7 +28,7 @@ from ember.compiler.hf_config import (
     resolve_model,
 )
 from ember.compiler.quant import QUANTIZATIONS
-from ember.host import CPU_ISAS, cpu_has_native_bf16
+from ember.host import CPU_ISAS, cpu_has_native_bf16, default_compile_cache_dir
 from ember.runtime.pooling import max_seq_length
 
 _DTYPES = {
@@ -86,7 +86,12 @@ class EngineArgs:
         default=True, metadata=_help("compile every shape bucket with torch.compile first")
     )
     compile_cache_dir: str | None = field(
-        default=None, metadata=_help("load/save compiled graphs here (see `ember warmup`)")
+        default="auto",
+        metadata=_help(
+            "load/save compiled graphs here (see `ember warmup`); auto = "
+            "$XDG_CACHE_HOME/ember/compile unless EMBER_DISABLE_COMPILE_CACHE=1 or "
+            "freeze_weights; '' (None in Python) = no cache"
+        ),
     )
     freeze_weights: bool = field(
         default=False,
@@ -212,7 +217,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             seed=self.seed,
             compile=self.compile,
-            compile_cache_dir=self.compile_cache_dir,
+            compile_cache_dir=_compile_cache_dir(self.compile_cache_dir, self.freeze_weights),
             freeze_weights=self.freeze_weights,
             token_buckets=buckets or (1,),
             max_logprobs=self.max_logprobs,
@@ -259,6 +264,18 @@ class EngineArgs:
         }
         values.update(overrides)
         return EngineArgs(**values)
+
+
+def _compile_cache_dir(requested: str | None, freeze_weights: bool) -> str | None:
+    """The compile cache an engine uses: `requested`, or for "auto" (the default, as vLLM
+    caches by default) ember's own under the user cache dir, which keeps its most recently
+    used entries (`ember.compiler.cache.COMPILE_CACHE_MAX_BYTES`). None: no cache ("" or None;
+    "auto" with frozen weights, which cannot be cached, or EMBER_DISABLE_COMPILE_CACHE=1)."""
+    if requested != "auto":
+        return requested or None
+    if freeze_weights or os.environ.get("EMBER_DISABLE_COMPILE_CACHE", "0") not in ("", "0"):
+        return None
+    return default_compile_cache_dir()
 
 
 # Images per prompt of a vision-language model unless `limit_mm_per_prompt` says otherwise

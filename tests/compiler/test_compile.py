@@ -181,9 +181,12 @@ _CHILD = textwrap.dedent("""
 
 
 def test_compile_cache_round_trip_ember_warmup_then_engine(checkpoint_dir, tmp_path):
+    """`ember warmup` fills the default compile cache, which an engine uses unless told
+    otherwise (`compile_cache_dir="auto"`, as vLLM caches by default)."""
     d = checkpoint_dir("tiny-qwen2")
-    cache_dir = str(tmp_path / "cache")
+    cache_dir = str(tmp_path / "xdg" / "ember" / "compile")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "default_inductor"))
+    env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), EMBER_DISABLE_COMPILE_CACHE="0")
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -212,16 +215,15 @@ def test_compile_cache_round_trip_ember_warmup_then_engine(checkpoint_dir, tmp_p
             "8",
             "--max-model-len",
             "64",
-            "--cache-dir",
-            cache_dir,
         )
 
     def serve() -> dict:
-        child = run("-c", _CHILD, d, cache_dir)
+        child = run("-c", _CHILD, d, "auto")
         return json.loads(child.stdout.strip().splitlines()[-1]) | {"log": child.stderr}
 
     warm = warmup(block_size=4)
     assert "2 graphs (static token buckets [1] + one dynamic) compiled and saved" in warm.stdout
+    assert f"cache dir {cache_dir}" in warm.stdout
     served = serve()
     assert served["hit"] and served["loaded"] == 2
     assert served["compiled"] == 0 and served["traced"] == 0  # a warm start traces nothing
