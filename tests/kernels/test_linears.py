@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ember import kernels
+from tests.conftest import group_quantized_x
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler")
 
@@ -237,15 +238,6 @@ GROUP_KINDS = [(8, True), (6, True), (4, True), (4, False)]
 GROUP_IDS = ["q8_0", "q6_k", "q4_0", "q4_1"]
 
 
-def _quantized_x(x: torch.Tensor) -> torch.Tensor:
-    """x as the group kernel sees it: int8 per group of 32, scale max|x| / 127 (llama.cpp's
-    activation quantization; 127 / max as a true division, round half to even)."""
-    groups = x.unflatten(-1, (-1, 32))
-    amax = groups.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0)
-    return (torch.round(groups * inv) * (amax / 127)).flatten(-2)
-
-
 def _group_case(rows: int, n: int, k: int, bits: int, symmetric: bool, bias: bool = True):
     """Random codes and fp16 scales/offsets, and the float64 product of the quantized x with
     their values written out: w = d q (8-bit), d (q - 32) with a scale per 16 (6-bit),
@@ -268,7 +260,7 @@ def _group_case(rows: int, n: int, k: int, bits: int, symmetric: bool, bias: boo
     w = q * scales.double()[..., None]
     if mins is not None:
         w = w + mins.double()[..., None]
-    ref = _quantized_x(x).double() @ w.view(n, k).t() + (b.double() if b is not None else 0)
+    ref = group_quantized_x(x).double() @ w.view(n, k).t() + (b.double() if b is not None else 0)
     return x, codes, scales, mins, b, ref, w.view(n, k)
 
 
@@ -314,7 +306,7 @@ def test_group_linear_sums_at_the_code_and_activation_extremes(bits, symmetric, 
         x = torch.full((rows, k), sign)
         value = (code - offset) * 0.5 + (0 if symmetric else -0.25)  # d q (+ m)
         w = torch.full((n, k), value, dtype=torch.float64)
-        ref = _quantized_x(x).double() @ w.t()
+        ref = group_quantized_x(x).double() @ w.t()
         out = GroupLinear(codes, scales, mins, bits, None)(x)
         torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=1e-6)
 

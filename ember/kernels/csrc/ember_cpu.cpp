@@ -2082,6 +2082,30 @@ constexpr BlockType kBlockTypes[] = {
 
 inline uint16_t half_bits(float x) { return c10::Half(x).x; }  // round to nearest even
 
+// 16 floats as fp16 bits, rounded to nearest even as half_bits (F16C where the build has it:
+// c10::Half's software conversion took about a third of a Q6_K tensor's packing).
+inline void half_bits16(const float* f, uint16_t* h) {
+#ifdef __F16C__
+  for (int i = 0; i < 16; i += 8) {
+    const __m128i v = _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i), v);
+  }
+#else
+  for (int i = 0; i < 16; ++i) h[i] = half_bits(f[i]);
+#endif
+}
+
+// One group's 16 stored nibble bytes (byte 4i + j = q[8i + j] | q[8i + 4 + j] << 4, as
+// store_nibbles) from 32 bytes holding its codes q_t in bits shift .. shift + 3 of byte t
+// (Q4_K's and Q6_K's low nibbles): 32-bit word operations, no byte loop.
+inline void nibble_group(const uint8_t* src, int shift, uint8_t* out) {
+  constexpr uint32_t lo = 0x0F0F0F0Fu;
+  uint32_t w[8], s[4];
+  std::memcpy(w, src, 32);
+  for (int i = 0; i < 4; ++i) s[i] = (w[2 * i] >> shift & lo) | (w[2 * i + 1] >> shift & lo) << 4;
+  std::memcpy(out, s, 16);
+}
+
 // One channel's stored bytes, fp16 scales d[g * P] (and offsets m[g * P]) from its blocks:
 // Q8_0 (fp16 d, 32 int8 q), Q4_0 (fp16 d, 16 bytes: q_t in the low nibble of byte t, q_16+t
 // in its high one), Q4_1 (fp16 d and m, then as Q4_0) exactly; Q4_K (fp16 d and dmin, 12
@@ -2090,41 +2114,56 @@ inline uint16_t half_bits(float x) { return c10::Half(x).x; }  // round to neare
 // (128 bytes of low nibbles, 64 of high pairs, 16 int8 sc, fp16 d) as codes q in [0, 63]
 // with scales d sc per 16 values rounded to fp16 (ggml's dequantizers' order); Q5_0 (fp16 d,
 // 32 high bits, 16 bytes of low nibbles as Q4_0's) exactly as 8-bit codes q - 16 (all 0
-// where d is 0, as the converter writes them). `q` is scratch for a block's codes.
+// where d is 0, as the converter writes them).
 void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8_t* out,
-                  uint16_t* d, uint16_t* m, int64_t P, uint8_t* q) {
+                  uint16_t* d, uint16_t* m, int64_t P) {
   for (int64_t blk = 0; blk < K / type.values; ++blk) {
     const uint8_t* b = blocks + blk * type.bytes;
     if (type.decoder == BlockDecoder::kQ4K) {
       const float dd = c10::detail::fp16_ieee_to_fp32_value(b[0] | b[1] << 8);
       const float dmin = c10::detail::fp16_ieee_to_fp32_value(b[2] | b[3] << 8);
       const uint8_t* sm = b + 4;
+      float f[16];  // the 8 scales, then the 8 offsets
       for (int j = 0; j < 8; ++j) {  // ggml's get_scale_min_k4
         const int sc = j < 4 ? sm[j] & 63 : (sm[j + 4] & 15) | (sm[j - 4] >> 6) << 4;
         const int mn = j < 4 ? sm[j + 4] & 63 : (sm[j + 4] >> 4) | (sm[j] >> 6) << 4;
-        d[(8 * blk + j) * P] = half_bits(dd * float(sc));
-        m[(8 * blk + j) * P] = half_bits(-dmin * float(mn));
+        f[j] = dd * float(sc);
+        f[8 + j] = -dmin * float(mn);
       }
-      for (int i = 0; i < 4; ++i)
-        for (int t = 0; t < 32; ++t) {
-          q[64 * i + t] = b[16 + 32 * i + t] & 15;
-          q[64 * i + 32 + t] = b[16 + 32 * i + t] >> 4;
-        }
-      store_codes(q, 256, 4, out + blk * 128);
+      uint16_t h[16];
+      half_bits16(f, h);
+      for (int j = 0; j < 8; ++j) {
+        d[(8 * blk + j) * P] = h[j];
+        m[(8 * blk + j) * P] = h[8 + j];
+      }
+      for (int g = 0; g < 8; ++g)  // sub-block g: the low (even g) or high nibbles
+        nibble_group(b + 16 + 32 * (g / 2), 4 * (g % 2), out + blk * 128 + 16 * g);
       continue;
     }
     if (type.decoder == BlockDecoder::kQ6K) {
+      // Value 128 h + 32 s + t (s, t < 32 in each half h): its low nibble in bits 4 (s / 2)
+      // of ql[64 h + 32 (s % 2) + t], its high pair in bits 2 s of qh[32 h + t]. That is
+      // group 4 h + s: nibbles as nibble_group's; pair bytes 4 c + j of each 16 k, four a
+      // stored byte (k = 16 u + 4 c + j in bits 2c of byte 4 u + j), from 32-bit words.
       const uint8_t *ql = b, *qh = b + 128;
       const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
       const float dd = c10::detail::fp16_ieee_to_fp32_value(b[208] | b[209] << 8);
-      for (int j = 0; j < 16; ++j) d[(16 * blk + j) * P] = half_bits(dd * float(sc[j]));
-      for (int i = 0; i < 256; ++i) {
-        const int h = i / 128, r = i % 128;
-        const int low = ql[64 * h + r % 64] >> (4 * (r / 64)) & 15;
-        const int high = qh[32 * h + r % 32] >> (2 * (r / 32)) & 3;
-        q[i] = uint8_t(low | high << 4);
+      float f[16];
+      for (int j = 0; j < 16; ++j) f[j] = dd * float(sc[j]);
+      uint16_t h16[16];
+      half_bits16(f, h16);
+      for (int j = 0; j < 16; ++j) d[(16 * blk + j) * P] = h16[j];
+      for (int g = 0; g < 8; ++g) {
+        const int h = g / 4, s = g % 4;
+        uint8_t* o = out + blk * 192 + 24 * g;
+        nibble_group(ql + 64 * h + 32 * (s % 2), 4 * (s / 2), o);
+        uint32_t w[8], pairs[2] = {0, 0};
+        std::memcpy(w, qh + 32 * h, 32);
+        for (int u = 0; u < 2; ++u)
+          for (int c = 0; c < 4; ++c)
+            pairs[u] |= (w[4 * u + c] >> (2 * s) & 0x03030303u) << (2 * c);
+        std::memcpy(o + 16, pairs, 8);
       }
-      store_codes(q, 256, 6, out + blk * 192);
       continue;
     }
     if (type.decoder == BlockDecoder::kQ5_0) {
@@ -2247,12 +2286,12 @@ void group_pack_blocks(at::Tensor codes, at::Tensor scales, c10::optional<at::Te
   auto* mp = mins ? reinterpret_cast<uint16_t*>(mins->data_ptr()) : nullptr;
   const int64_t first = row / P, panels = (n + P - 1) / P;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<uint8_t> stored(Q * 4), q(256);
+    std::vector<uint8_t> stored(Q * 4);
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t r = p * P; r < std::min(n, (p + 1) * P); ++r) {
         const int64_t base = (first + p) * G * P + r % P;
         store_blocks(bp + r * row_bytes, K, *type, stored.data(), sp + base,
-                     mp ? mp + base : nullptr, P, q.data());
+                     mp ? mp + base : nullptr, P);
         scatter_lanes(cp, Q, P, row + r, stored.data());
       }
   });
