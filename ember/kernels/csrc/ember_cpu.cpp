@@ -2082,8 +2082,8 @@ constexpr BlockType kBlockTypes[] = {
 
 inline uint16_t half_bits(float x) { return c10::Half(x).x; }  // round to nearest even
 
-// 16 floats as fp16 bits, rounded to nearest even as half_bits (F16C where the build has it:
-// c10::Half's software conversion took about a third of a Q6_K tensor's packing).
+// 16 floats as fp16 bits, rounded to nearest even as half_bits: F16C where the build has it
+// (every x86-64-v3 or native build here), else c10::Half's software conversion.
 inline void half_bits16(const float* f, uint16_t* h) {
 #ifdef __F16C__
   for (int i = 0; i < 16; i += 8) {
