@@ -131,6 +131,33 @@ def test_cpu_target_is_the_exact_march_expansion():
     assert v3.startswith("x86-64-v3-") and v3 != native
 
 
+@pytest.mark.skipif(host.shutil.which("c++") is None, reason="needs a C++ compiler")
+def test_the_march_expansion_is_kept_per_compiler_and_cpu(tmp_path, monkeypatch):
+    """The compiler is asked once per (compiler, -march, CPU); later processes read its answer
+    from the kernel cache; an unreadable entry is asked again, and a new CPU gets its own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    asked = []
+    real_ask = host._ask_compiler
+    monkeypatch.setattr(host, "_ask_compiler", lambda m: asked.append(m) or real_ask(m))
+
+    def fresh(march: str = "-march=native") -> tuple[str, tuple[str, ...]]:
+        host._march.cache_clear()  # as a new process
+        return host._march(march)
+
+    first = fresh()
+    assert asked == ["-march=native"] and first[0] != "cpu"
+    assert fresh() == first and asked == ["-march=native"]  # read back, not asked
+    assert fresh("-march=x86-64-v3") != first and len(asked) == 2
+    entries = sorted((tmp_path / "ember" / "kernels").glob("march-*.txt"))
+    assert len(entries) == 2
+    for entry in entries:
+        entry.write_text("")
+    assert fresh() == first and len(asked) == 3  # unreadable: asked again
+    monkeypatch.setattr(host, "_cpu_identity", lambda: "another CPU")
+    assert fresh() == first and len(asked) == 4
+    host._march.cache_clear()
+
+
 def test_zeroed_lazily_is_zero_and_takes_memory_only_where_touched():
     import torch
 

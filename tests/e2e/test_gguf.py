@@ -5,8 +5,10 @@ checkpoints."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import subprocess
 import sys
 
@@ -191,10 +193,12 @@ def test_the_converted_tokenizer_is_cached_and_read_back_equal(
     assert again("hello world")["input_ids"] == converted("hello world")["input_ids"]
 
 
-def test_a_cached_config_and_tokenizer_load_with_a_light_reader(gguf_file, tmp_path, monkeypatch):
-    """Once the config and tokenizer are cached, the file is opened with a reader that steps
-    over the metadata's large arrays (the vocabulary): same config, same tensors, same greedy
-    tokens as the first, fully parsed load."""
+def test_a_cached_load_reads_the_files_index_or_a_light_reader(gguf_file, tmp_path, monkeypatch):
+    """Once the config, tokenizer and index are cached, a load parses nothing of the file (the
+    index gives each tensor's type, shape and place, and the tensor-name map); without an
+    index, or with one that no longer fits the file, it opens a reader that steps over the
+    metadata's large arrays (the vocabulary). Same config, same tensors, same greedy tokens as
+    the first, fully parsed load."""
     import shutil
 
     from ember.compiler import gguf as ember_gguf
@@ -207,20 +211,85 @@ def test_a_cached_config_and_tokenizer_load_with_a_light_reader(gguf_file, tmp_p
     monkeypatch.setattr(
         ember_gguf, "_open", lambda p, light=False: opened.append(light) or real_open(p, light)
     )
-    for _ in range(2):
+
+    def load() -> None:
         with LLM(model=path, compile=False, **KW) as llm:
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)])
         outs.append(llm.config.model_spec.hf_config.to_dict())
-    assert opened == [False, True]  # the second load parsed no vocabulary
-    assert outs[0] == outs[2] and outs[1] == outs[3]
+
+    load()
+    assert opened == [False]
+    load()
+    assert opened == [False]  # from the index
+    index = ember_gguf._cache_entry(path, "index")
+    os.unlink(index)
+    load()
+    assert opened == [False, True]  # no index: a light reader, which writes it again
+    with open(index, "rb") as f:
+        stale = pickle.load(f)
+    with open(index, "wb") as f:
+        pickle.dump(dict(stale, size=stale["size"] + 1), f)
+    load()
+    assert opened == [False, True, True]  # an index that does not fit: a light reader
+    assert all(out == outs[0] for out in outs[::2]) and all(c == outs[1] for c in outs[1::2])
 
     full, light = ember_gguf._open(path), ember_gguf._open(path, light=True)
-    assert [(t.name, t.tensor_type, list(t.shape)) for t in full.tensors] == [
-        (t.name, t.tensor_type, list(t.shape)) for t in light.tensors
-    ]
+    indexed = ember_gguf._open_indexed(path)
+    assert isinstance(indexed, ember_gguf._IndexedFile)
+    for reader in (light, indexed):
+        assert [
+            (t.name, t.tensor_type, t.tensor_type.name, list(t.shape)) for t in full.tensors
+        ] == [(t.name, t.tensor_type, t.tensor_type.name, list(t.shape)) for t in reader.tensors]
+        for want, got in zip(full.tensors, reader.tensors, strict=True):
+            assert (got.data.dtype, got.data.shape, got.n_bytes) == (
+                want.data.dtype,
+                want.data.shape,
+                want.n_bytes,
+            )
+            assert np.array_equal(np.asarray(got.data), np.asarray(want.data))
+        assert ember_gguf._architecture(reader, path) == "qwen2"
     assert len(full.fields["tokenizer.ggml.tokens"].data) > 64
     assert light.fields["tokenizer.ggml.tokens"].data == []
-    assert ember_gguf._architecture(light, path) == "qwen2"
+    assert (
+        ember_gguf._block_size(indexed.tensors[-1].tensor_type)
+        == (gguf.GGML_QUANT_SIZES[full.tensors[-1].tensor_type])
+    )
+
+
+def test_a_cached_load_does_not_import_the_gguf_package(gguf_file, tmp_path):
+    """What a load from ember's cache reads of the file needs no `gguf` import (0.04 s)."""
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    code = (
+        "import sys\nfrom ember import LLM\n"
+        f"LLM(model={gguf_file('tiny-llama', 'Q8_0')!r}, compile=False, kv_cache_gib=0.01, "
+        "use_tqdm=False)\nprint('gguf' in sys.modules)"
+    )
+    runs = [
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        for _ in range(2)
+    ]
+    assert [r.stdout.split()[-1] for r in runs] == ["True", "False"], runs[-1].stderr[-2000:]
+
+
+def test_tokenizers_are_cached_with_string_merges_where_that_reads_back_the_same():
+    """A BPE tokenizer's merges are pickled as "a b" strings (faster to read) unless a merged
+    token has a space; either way the tokenizer reads back to the same JSON."""
+    from tokenizers import Tokenizer, models
+
+    from ember.compiler import gguf as ember_gguf
+
+    vocab = {"a": 0, "b": 1, "ab": 2, "\n": 3, "\n\n": 4, "c d": 5, "e": 6, "c de": 7}
+    plain = Tokenizer(models.BPE(vocab, [("a", "b"), ("\n", "\n")]))
+    spaced = Tokenizer(models.BPE(vocab, [("a", "b"), ("c d", "e")]))
+    for tokenizer, strings in ((plain, True), (spaced, False)):
+        buf = io.BytesIO()
+        ember_gguf._Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump({"t": tokenizer})
+        _, (saved,) = ember_gguf._Pickler(io.BytesIO()).reducer_override(tokenizer)
+        merges = json.loads(saved)["model"]["merges"]
+        assert all(isinstance(m, str) for m in merges) == strings
+        back = pickle.loads(buf.getvalue())["t"]
+        assert back.to_str() == tokenizer.to_str()
+        assert back.encode("ab\n\nab").ids == tokenizer.encode("ab\n\nab").ids
 
 
 def test_the_readers_metadata_equals_the_gguf_packages_own_parse(tmp_path):
