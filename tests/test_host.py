@@ -236,6 +236,34 @@ def test_weight_zeros_are_lazily_zeroed_maps_that_stay_in_place():
     assert _huge_kib(big) >= 2048 and int(big.sum()) == 7 * size
 
 
+def test_weights_built_in_an_arena_are_zeroed_aligned_in_huge_pages_and_stay_put():
+    import torch
+
+    if not host.huge_pages_available():
+        with host.weight_arena(1 << 20, 1 << 20) as arena:
+            assert arena is None and not host.weight_zeros((10,), torch.half).any()
+        pytest.skip("no transparent huge pages for anonymous memory here")
+    with host.weight_arena(8 << 20, 4 << 20) as arena:
+        assert arena is not None
+        codes = host.weight_zeros((3, 1000), torch.uint8)
+        scales = host.weight_zeros((3, 7), torch.half)  # after 3000 bytes, realigned
+        big = host.weight_zeros((9 << 20,), torch.uint8)  # no room left: elsewhere
+        assert not codes.any() and not scales.any() and not big.any()
+        assert scales.data_ptr() % 64 == 0 and scales.shape == (3, 7)
+        assert scales.untyped_storage().data_ptr() == codes.untyped_storage().data_ptr()
+        assert big.untyped_storage().data_ptr() != codes.untyped_storage().data_ptr()
+        with host.weight_arena(1 << 20, 0) as nested:
+            assert nested is None  # the outer arena stays the one in use
+        codes[:] = 5
+        scales[:] = 0.5
+    assert arena.used == 3008 + 3 * 7 * 2  # 3000 bytes, then the scales from 47 * 64
+    want = (codes.clone(), scales.clone())
+    assert host.move_to_huge_pages([codes, scales]) == 0  # built in huge pages: not moved
+    assert torch.equal(codes, want[0]) and torch.equal(scales, want[1])
+    assert _huge_kib(codes) >= 2048
+    assert not host.weight_zeros((4,), torch.half).any()  # outside the block: the heap
+
+
 def test_heap_trimmer_trims_after_enough_bytes(monkeypatch):
     calls = []
     monkeypatch.setattr(host, "_malloc_trim", lambda: calls.append)

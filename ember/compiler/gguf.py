@@ -65,7 +65,7 @@ from ember.compiler.quant import (
     quantize_groups,
     row_chunk,
 )
-from ember.host import HeapTrimmer, private_dir, prune_cache, touch, user_cache_dir
+from ember.host import HeapTrimmer, private_dir, prune_cache, touch, user_cache_dir, weight_arena
 
 logger = logging.getLogger("ember")
 
@@ -768,6 +768,28 @@ def _permute_rows(processor: Any, name: str, data: np.ndarray) -> np.ndarray:
     architectures a row permutation (Llama Q/K), or an offset on norms, which are never kept
     quantized."""
     return processor.process(weights=data, name=name).weights
+
+
+@contextlib.contextmanager
+def weights_arena(path: str) -> Iterator[None]:
+    """The quantized weights of `path` loaded in this block are packed into one huge-page
+    `WeightArena`, faulted in by a thread from here on (see `host.WeightArena`), instead of
+    being built on the heap and copied by `move_to_huge_pages`. AMD EPYC (Zen 4, KVM), fresh
+    processes, medians of 5: qwen2-0.5b Q4_0 loaded in 1.37 s instead of 1.55 (1.50 with
+    the arena not faulted in ahead), peak RSS +384 MB instead of +402; llama-160m Q8_0 0.53
+    s instead of 0.56, +151 MB instead of +163."""
+    packed = 0
+    for tensor in _reader(path, light=True).tensors:
+        qtype = tensor.tensor_type
+        if qtype.name in DENSE_TYPES or len(tensor.shape) != 2 or tensor.shape[0] % GROUP_SIZE:
+            continue
+        bits, _ = _converter(qtype)
+        offsets = qtype.name in ("Q4_1", "Q4_K")
+        n, k = int(tensor.shape[1]), int(tensor.shape[0])
+        packed += GroupLinear.packed_nbytes(n, k, bits, offsets)
+    # Room for fused groups' and alignment's slack; only `packed` is faulted in ahead.
+    with weight_arena(packed + packed // 8 + (4 << 20), packed):
+        yield
 
 
 def load_gguf_model(

@@ -198,9 +198,10 @@ def _load_gguf(
     try:
         # Neither the tokenizer nor the weights' layout needs the kernels loaded: a first
         # build runs on another core meanwhile (about 15 s).
-        tokenizer = gguf.load_gguf_tokenizer(path)
-        attention = register_attention(backend, cpu_isa, resolve=False)
-        model = gguf.load_gguf_model(path, spec.hf_config, spec.auto_class, attention)
+        with gguf.weights_arena(path):  # faulted in while the tokenizer and model load
+            tokenizer = gguf.load_gguf_tokenizer(path)
+            attention = register_attention(backend, cpu_isa, resolve=False)
+            model = gguf.load_gguf_model(path, spec.hf_config, spec.auto_class, attention)
     finally:
         gguf.release(path)  # the file's memory map
     if not kernels.available(cpu_isa):

@@ -375,16 +375,26 @@ class GroupLinear(nn.Module):
         if offsets and bits != 4:
             raise ValueError("GroupLinear: offsets (mins) are for 4-bit codes, shaped as scales")
         self.in_features, self.out_features, self.bits = k, n, bits
-        panel = kernels.panel_width()
-        panels = -(-n // panel)
-        code_bytes = {8: k, 4: k // 2, 6: k // GROUP_SIZE * 24}[bits]
-        scale_cols = k // (16 if bits == 6 else GROUP_SIZE)
+        panels, code_bytes, scale_cols, panel = self._layout(n, k, bits)
         codes = weight_zeros((panels, code_bytes // 4, panel, 4), torch.uint8)
         self.register_buffer("codes", codes)
-        self.register_buffer("scales", torch.zeros(panels, scale_cols, panel, dtype=torch.half))
-        mins = torch.zeros(panels, scale_cols, panel, dtype=torch.half) if offsets else None
+        self.register_buffer("scales", weight_zeros((panels, scale_cols, panel), torch.half))
+        mins = weight_zeros((panels, scale_cols, panel), torch.half) if offsets else None
         self.register_buffer("mins", mins)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @staticmethod
+    def _layout(n: int, k: int, bits: int) -> tuple[int, int, int, int]:
+        """(panels, code bytes a row, scale columns, panel width) of an [n, k] weight."""
+        panel = kernels.panel_width()
+        code_bytes = {8: k, 4: k // 2, 6: k // GROUP_SIZE * 24}[bits]
+        return -(-n // panel), code_bytes, k // (16 if bits == 6 else GROUP_SIZE), panel
+
+    @classmethod
+    def packed_nbytes(cls, n: int, k: int, bits: int, offsets: bool) -> int:
+        """The bytes of the tensors an [n, k] weight of `bits`-bit codes is packed into."""
+        panels, code_bytes, scale_cols, panel = cls._layout(n, k, bits)
+        return panels * panel * (code_bytes + scale_cols * 2 * (2 if offsets else 1))
 
     def _pack_rows(
         self, row: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None

@@ -582,6 +582,27 @@ print(json.dumps({
 """
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_gguf_quantized_weights_are_packed_into_one_huge_page_arena(gguf_file, qtype):
+    from ember import LLM, SamplingParams
+    from ember.compiler.quant import GroupLinear
+    from ember.host import _in_huge_map, huge_pages_available
+
+    llm = LLM(model=gguf_file("tiny-llama", qtype), compile=False, kv_cache_gib=0.05)
+    model = llm.llm_engine.runner.model
+    packed = [t for m in model.modules() if isinstance(m, GroupLinear) for t in m.buffers()]
+    packed = [t for t in packed if t.dtype != torch.float32]  # codes, scales, mins; not biases
+    assert len(packed) >= 8  # codes and scales of every linear, the head's and embedding's
+    if not huge_pages_available():
+        pytest.skip("no transparent huge pages for anonymous memory here")
+    storages = {t.untyped_storage().data_ptr() for t in packed}
+    assert len(storages) == 1 and _in_huge_map(storages.pop())
+    if qtype == "Q4_1":
+        assert any(getattr(m, "mins", None) is not None for m in model.modules())
+    out = llm.generate(["hello world"], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 @pytest.mark.parametrize(
     ("qtype", "vocab_size", "layers"),
     [("Q8_0", 8192, 4), ("Q4_0", 8192, 4), ("Q8_0", 65536, 1)],
