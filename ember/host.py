@@ -345,7 +345,6 @@ def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 _OWN_MAP_MIN_BYTES = 16 << 20
 _ARENA_ALIGN = 64  # a cache line, as the C heap aligns torch's tensors
 _HUGE_PAGE = 2 << 20
-_POPULATE_STEP = _HUGE_PAGE
 # Linux's madvise(MADV_POPULATE_WRITE) (5.14+; Python 3.11's mmap does not name it).
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
@@ -367,26 +366,23 @@ class WeightArena:
     def __init__(self, nbytes: int, populate: int) -> None:
         import torch
 
-        self._buffer = _huge_map(nbytes)
-        self._base = torch.frombuffer(self._buffer, dtype=torch.uint8)
-        start = self._base.data_ptr()
-        _huge_maps[start] = (start + nbytes, weakref.ref(self._buffer))
+        self._base = zeroed_lazily((nbytes,), torch.uint8)
         self.used = 0
         self._populate = min(populate, nbytes)
         self._stop = threading.Event()
         self._thread = None
-        madvise = _libc_madvise()
-        if madvise is not None and self._populate > 0:
+        if _libc_madvise() is not None and self._populate > 0:
             self._thread = threading.Thread(
-                target=self._fault_in, args=(madvise, start), name="ember-weight-arena", daemon=True
+                target=self._fault_in, name="ember-weight-arena", daemon=True
             )
             self._thread.start()
 
-    def _fault_in(self, madvise: Callable[[int, int, int], int], start: int) -> None:
-        for offset in range(0, self._populate, _POPULATE_STEP):
+    def _fault_in(self) -> None:
+        madvise, start = _libc_madvise(), self._base.data_ptr()
+        for offset in range(0, self._populate, _HUGE_PAGE):
             if self._stop.is_set():
                 return
-            length = min(_POPULATE_STEP, self._populate - offset)
+            length = min(_HUGE_PAGE, self._populate - offset)
             if madvise(start + offset, length, _MADV_POPULATE_WRITE) != 0:
                 return  # an older kernel: the writers fault the pages in
 
@@ -405,8 +401,9 @@ class WeightArena:
             self._thread.join()
         start = self._base.data_ptr()  # the last huge page in use stays whole
         tail = -(-(start + self.used) // _HUGE_PAGE) * _HUGE_PAGE - start
-        if tail < self._populate and hasattr(mmap, "MADV_DONTNEED"):
-            self._buffer.madvise(mmap.MADV_DONTNEED, tail, self._populate - tail)
+        madvise = _libc_madvise()
+        if tail < self._populate and madvise is not None:
+            madvise(start + tail, self._populate - tail, mmap.MADV_DONTNEED)
 
 
 @functools.cache
