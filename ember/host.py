@@ -3,6 +3,7 @@ it (kernels, attention, compiler, runtime, tools)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import hashlib
@@ -10,6 +11,7 @@ import logging
 import math
 import mmap
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -341,32 +343,149 @@ def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return tensor
 
 
-# Weights at least this large are allocated by `weight_zeros` in their own huge-page map.
+# Weights at least this large are allocated by `weight_zeros` in their own map.
 _OWN_MAP_MIN_BYTES = 16 << 20
 _ARENA_ALIGN = 64  # a cache line, as the C heap aligns torch's tensors
 _HUGE_PAGE = 2 << 20
-# Linux's madvise(MADV_POPULATE_WRITE) (5.14+; Python 3.11's mmap does not name it).
+# Linux's madvise(MADV_POPULATE_WRITE) (5.14+) and MADV_COLLAPSE (6.1+), which Python 3.11's
+# mmap does not name.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)
+
+
+@functools.cache
+def _can_collapse() -> bool:
+    """Whether the kernel turns 4 KiB pages into huge pages in place on request
+    (MADV_COLLAPSE, Linux 6.1+) and ember can ask it without holding the GIL."""
+    match = re.match(r"(\d+)\.(\d+)", os.uname().release) if hasattr(os, "uname") else None
+    if match is None or _libc_madvise() is None or not huge_pages_available():
+        return False
+    return (int(match[1]), int(match[2])) >= (6, 1)
+
+
+def _weight_map(nbytes: int) -> torch.Tensor:
+    """`nbytes` of zeros (uint8) in a private anonymous map of their own, zeroed lazily (page
+    by page as it is first touched), starting on a huge-page boundary, the map reaching the
+    next one past its end.
+
+    Weights belong in huge pages (see `move_to_huge_pages`), but faulting huge pages in is
+    the slow part of a load on a VM whose host reclaims the guest's free memory: AMD EPYC
+    (Zen 4, KVM), 80 MB of freed memory faulted in 125-190 ms as 2 MiB pages, 40-60 ms as
+    4 KiB ones. So where the kernel can collapse pages (`_can_collapse`) the map is written
+    in 4 KiB pages, and the writer queues what it wrote with `collapse_later`; the engine,
+    once ready, has a thread collapse it (`collapse_to_huge_pages`). Elsewhere the map is
+    advised to use huge pages as they are first touched. The tensor keeps the map alive."""
+    import torch
+
+    span = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE + _HUGE_PAGE
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    buffer = mmap.mmap(-1, span, flags=flags) if flags else mmap.mmap(-1, span)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_NOHUGEPAGE if _can_collapse() else mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(buffer, dtype=torch.uint8)
+    _huge_maps[whole.data_ptr()] = (whole.data_ptr() + span, weakref.ref(buffer))
+    skip = -whole.data_ptr() % _HUGE_PAGE
+    return whole[skip : skip + nbytes]
+
+
+_collapse_lock = threading.Lock()
+_to_collapse: list[torch.Tensor] = []  # guarded by _collapse_lock, as is _collapser
+_collapser: threading.Thread | None = None
+# Set at exit: a thread still inside ctypes when the interpreter finalizes aborts the process.
+_collapse_stop = threading.Event()
+
+
+def collapse_later(written: torch.Tensor) -> None:
+    """Queue `written`, the front of a `_weight_map` (or a view of one) that holds weights,
+    for `collapse_to_huge_pages`: its pages, up to the next huge-page boundary, become huge
+    pages then. Nothing where the kernel cannot collapse pages (they are already huge)."""
+    if not _can_collapse() or written.numel() == 0:
+        return
+    start = written.data_ptr()
+    _libc_madvise()(start, _collapse_span(written), mmap.MADV_HUGEPAGE)
+    with _collapse_lock:
+        _to_collapse.append(written)
+
+
+def _collapse_span(written: torch.Tensor) -> int:
+    """Bytes from `written`'s start to the huge-page boundary at or past its end."""
+    end = written.data_ptr() + written.numel() * written.element_size()
+    return -(-end // _HUGE_PAGE) * _HUGE_PAGE - written.data_ptr()
+
+
+def collapse_to_huge_pages(wait: bool = False) -> None:
+    """Turn the pages of every weight queued by `collapse_later` into huge pages, on a
+    thread (one at a time; it holds the weights' maps until it is done), or in this thread
+    too with `wait`. The engine calls this once its model is loaded: the collapse (about as
+    slow as faulting huge pages in: ~0.2 s for 80 MB on the VM above) runs while the graphs
+    compile, or while the first steps run, not on the way to a ready engine."""
+    global _collapser
+    with _collapse_lock:
+        if _to_collapse and _collapser is None and not _collapse_stop.is_set():
+            _collapser = threading.Thread(
+                target=_collapse_queued, name="ember-huge-pages", daemon=True
+            )
+            _collapser.start()
+        thread = _collapser
+    if wait and thread is not None:
+        thread.join()
+
+
+def _collapse_queued() -> None:
+    global _collapser
+    madvise = _libc_madvise()
+    assert madvise is not None
+    try:
+        while not _collapse_stop.is_set():
+            with _collapse_lock:
+                if not _to_collapse:
+                    return
+                written = _to_collapse.pop(0)
+            start = written.data_ptr()
+            for address in range(start, start + _collapse_span(written), _HUGE_PAGE):
+                if _collapse_stop.is_set():
+                    return
+                # A page that cannot be collapsed (no free huge page now) stays as it is.
+                madvise(address, _HUGE_PAGE, _MADV_COLLAPSE)
+            del written
+    finally:
+        with _collapse_lock:
+            _collapser = None
+
+
+@atexit.register
+def _stop_collapsing() -> None:
+    """Let the collapsing thread finish the page it is on before the interpreter goes."""
+    _collapse_stop.set()
+    thread = _collapser
+    if thread is not None:
+        thread.join()
+
+
+def _after_fork_in_child() -> None:
+    global _collapse_lock, _collapser
+    _collapse_lock, _collapser = threading.Lock(), None  # the parent's thread is not here
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class WeightArena:
     """Memory for the weights a load builds (`weight_zeros` while `weight_arena` is active):
-    one private anonymous map advised to use huge pages, handed out front to back, whose first
-    `populate` bytes a thread faults in (zeroed) ahead of the packers that write them.
+    one `_weight_map`, handed out front to back, whose first `populate` bytes a thread faults
+    in (zeroed) ahead of the packers that write them.
 
-    Weights built there are already in huge pages, so `move_to_huge_pages` neither copies them
-    nor faults a second map in for them. Faulting huge pages in is the slow part on a VM whose
-    host reclaims the guest's free memory (AMD EPYC Zen 4, KVM: 2-3 ms a MiB for pages of
-    freed memory, against ~0.1 ms a MiB for pages the host still backs); the thread does it
-    while the load's Python (the tokenizer, the meta model) and the packing run.
+    Weights built there are in a map of their own, so `move_to_huge_pages` neither copies
+    them nor faults a second map in for them; the arena queues what was handed out for
+    `collapse_to_huge_pages` when it closes. The thread faults pages in while the load's
+    Python (the tokenizer, the meta model) and the packing run.
 
     Memory handed out stays mapped while any tensor in it lives: for weights that live as long
     as the model, not for a load's temporaries."""
 
     def __init__(self, nbytes: int, populate: int) -> None:
-        import torch
-
-        self._base = zeroed_lazily((nbytes,), torch.uint8)
+        self._base = _weight_map(nbytes)
         self.used = 0
         self._populate = min(populate, nbytes)
         self._stop = threading.Event()
@@ -395,15 +514,16 @@ class WeightArena:
         return self._base[start : start + nbytes]
 
     def close(self) -> None:
-        """Stop faulting pages in, and give back those faulted in past what was handed out."""
+        """Stop faulting pages in, give back those faulted in past the huge page that holds
+        the end of what was handed out, and queue what was handed out for collapsing."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        start = self._base.data_ptr()  # the last huge page in use stays whole
-        tail = -(-(start + self.used) // _HUGE_PAGE) * _HUGE_PAGE - start
+        tail = -(-self.used // _HUGE_PAGE) * _HUGE_PAGE  # the base is huge-page aligned
         madvise = _libc_madvise()
         if tail < self._populate and madvise is not None:
-            madvise(start + tail, self._populate - tail, mmap.MADV_DONTNEED)
+            madvise(self._base.data_ptr() + tail, self._populate - tail, mmap.MADV_DONTNEED)
+        collapse_later(self._base[: self.used])
 
 
 @functools.cache
@@ -444,10 +564,10 @@ def weight_arena(nbytes: int, populate: int) -> Iterator[WeightArena | None]:
 
 def weight_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros for a weight being built (a re-laid-out or fused quantized tensor): in the active
-    `weight_arena` while it has room; else a large one in its own lazily zeroed huge-page map
-    (`zeroed_lazily`), resident only as it is written and left in place by
-    `move_to_huge_pages` (a copy there would hold the weight twice); a small one, or where the
-    OS has no huge pages, on the heap."""
+    `weight_arena` while it has room; else a large one in a `_weight_map` of its own, resident
+    only as it is written, left in place by `move_to_huge_pages` (a copy there would hold the
+    weight twice) and queued for `collapse_to_huge_pages`; a small one, or where the OS has
+    no huge pages, on the heap."""
     import torch
 
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -456,7 +576,9 @@ def weight_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if taken is not None:
         return taken.view(dtype).view(shape)
     if nbytes >= _OWN_MAP_MIN_BYTES and huge_pages_available():
-        return zeroed_lazily(shape, dtype)
+        own = _weight_map(nbytes)
+        collapse_later(own)  # collapsed once the engine is ready, after the weight is written
+        return own.view(dtype).view(shape)
     return torch.zeros(shape, dtype=dtype)
 
 
@@ -466,10 +588,11 @@ _HUGE_ALIGN = 4096
 
 
 def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
-    """Move the storages of `tensors` (a model's weights) into one memory map backed by
-    transparent huge pages, in place: every tensor object keeps its identity, dtype, shape,
-    strides and storage offset, so views and tied weights stay views and ties. Returns the
-    bytes moved (0 where the OS has no huge pages for anonymous memory).
+    """Move the storages of `tensors` (a model's weights) into one `_weight_map`, which
+    `collapse_to_huge_pages` turns into transparent huge pages (where the kernel cannot, its
+    pages are huge as they are written), in place: every tensor object keeps its identity,
+    dtype, shape, strides and storage offset, so views and tied weights stay views and ties.
+    Returns the bytes moved (0 where the OS has no huge pages for anonymous memory).
 
     A decode step streams every weight once: in 4 KiB pages that is a TLB miss and a page
     walk per 4 KiB (llama-160m Q4_0: ~19,000 per step), which also evicts the TLB entries of
@@ -493,7 +616,7 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
     for key, (st, _) in storages.items():
         offsets[key] = total
         total += -(-st.nbytes() // _HUGE_ALIGN) * _HUGE_ALIGN
-    arena = torch.frombuffer(_huge_map(total), dtype=torch.uint8)
+    arena = _weight_map(total)
     heap = HeapTrimmer()  # the old storages' heap pages go back as the arena fills
     with torch.no_grad():
         for key in list(storages):
@@ -506,12 +629,13 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
                 size = t.element_size()
                 t.set_(
                     region.untyped_storage(),
-                    start // size + t.storage_offset(),
+                    region.storage_offset() // size + t.storage_offset(),
                     t.size(),
                     t.stride(),
                 )
             del st, views
             heap.freed(nbytes)
+    collapse_later(arena)
     return total
 
 

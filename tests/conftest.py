@@ -232,3 +232,17 @@ def drive_random(engine, prompts, params, rng, arrivals, abort_prob, check=None)
             check()
         steps += 1
     return done, aborted, steps
+
+
+def huge_page_kib(t: torch.Tensor) -> int:
+    """AnonHugePages (KiB) of the mapping holding `t`'s data, from /proc/self/smaps."""
+    addr, found = t.data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                found = start <= addr < end
+            elif found and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0

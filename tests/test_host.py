@@ -10,6 +10,7 @@ import time
 import pytest
 
 from ember import host, kernels
+from tests.conftest import huge_page_kib
 
 
 def _mode(path: str) -> int:
@@ -178,20 +179,6 @@ def test_zeroed_lazily_is_zero_and_takes_memory_only_where_touched():
     assert host.zeroed_lazily((0, 8), torch.float32).shape == (0, 8)
 
 
-def _huge_kib(t) -> int:
-    """AnonHugePages (KiB) of the mapping holding `t`'s data, from /proc/self/smaps."""
-    addr, found = t.data_ptr(), False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                start, end = (int(x, 16) for x in head.split("-"))
-                found = start <= addr < end
-            elif found and head == "AnonHugePages:":
-                return int(line.split()[1])
-    return 0
-
-
 def test_weights_move_to_huge_pages_keeping_identity_views_and_ties():
     import torch
 
@@ -217,7 +204,9 @@ def test_weights_move_to_huge_pages_keeping_identity_views_and_ties():
     assert view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
     view[0, 0] = 123.0  # still a view of base
     assert float(base[512, 0]) == 123.0
-    assert _huge_kib(base) >= 2048
+    host.collapse_to_huge_pages(wait=True)
+    assert huge_page_kib(base) >= 2048
+    assert torch.equal(half, want[4]) and float(base[512, 0]) == 123.0
 
 
 def test_weight_zeros_are_lazily_zeroed_maps_that_stay_in_place():
@@ -233,16 +222,18 @@ def test_weight_zeros_are_lazily_zeroed_maps_that_stay_in_place():
     ptr = big.data_ptr()
     moved = host.move_to_huge_pages([big, small])
     assert big.data_ptr() == ptr and moved == 0  # already in its own huge-page map
-    assert _huge_kib(big) >= 2048 and int(big.sum()) == 7 * size
+    host.collapse_to_huge_pages(wait=True)
+    assert huge_page_kib(big) >= 2048 and int(big.sum()) == 7 * size
 
 
-def test_weights_built_in_an_arena_are_zeroed_aligned_in_huge_pages_and_stay_put():
+def test_weights_built_in_an_arena_are_zeroed_aligned_and_stay_put_and_become_huge_pages():
     import torch
 
     if not host.huge_pages_available():
         with host.weight_arena(1 << 20, 1 << 20) as arena:
             assert arena is None and not host.weight_zeros((10,), torch.half).any()
         pytest.skip("no transparent huge pages for anonymous memory here")
+    host.collapse_to_huge_pages(wait=True)  # no earlier engine's thread collapses this one's
     with host.weight_arena(8 << 20, 4 << 20) as arena:
         assert arena is not None
         codes = host.weight_zeros((3, 1000), torch.uint8)
@@ -257,10 +248,14 @@ def test_weights_built_in_an_arena_are_zeroed_aligned_in_huge_pages_and_stay_put
         codes[:] = 5
         scales[:] = 0.5
     assert arena.used == 3008 + 3 * 7 * 2  # 3000 bytes, then the scales from 47 * 64
+    assert codes.data_ptr() % host._HUGE_PAGE == 0
     want = (codes.clone(), scales.clone())
-    assert host.move_to_huge_pages([codes, scales]) == 0  # built in huge pages: not moved
+    assert host.move_to_huge_pages([codes, scales]) == 0  # built in its own map: not moved
+    if host._can_collapse():  # written in 4 KiB pages, collapsed once the engine is ready
+        assert huge_page_kib(codes) == 0
+    host.collapse_to_huge_pages(wait=True)
     assert torch.equal(codes, want[0]) and torch.equal(scales, want[1])
-    assert _huge_kib(codes) >= 2048
+    assert huge_page_kib(codes) >= 2048
     assert not host.weight_zeros((4,), torch.half).any()  # outside the block: the heap
 
 
@@ -288,10 +283,60 @@ def test_a_loaded_models_weights_and_kv_cache_are_in_huge_pages(checkpoint_dir):
     runner = llm.llm_engine.runner
     embed = runner.model.get_input_embeddings().weight
     assert embed.untyped_storage().nbytes() >= 64 * 1024
-    assert _huge_kib(embed) >= 2048
+    with host._collapse_lock:  # the engine started collapsing its weights' pages
+        assert not host._to_collapse or host._collapser is not None
+    host.collapse_to_huge_pages(wait=True)
+    assert huge_page_kib(embed) >= 2048
     cache = runner.kv_caches[0]
     cache.view(-1)[:: 1 << 18] = 0.0  # touch it
-    assert _huge_kib(cache) >= 2048
+    assert huge_page_kib(cache) >= 2048
+
+
+def test_collapsing_stops_at_exit_after_the_page_it_is_on(monkeypatch):
+    import threading
+
+    if not host._can_collapse():
+        pytest.skip("the kernel cannot collapse pages into huge pages here (Linux < 6.1)")
+    host.collapse_to_huge_pages(wait=True)
+    monkeypatch.setattr(host, "_collapse_stop", threading.Event())  # this test's exit only
+    weights = host._weight_map(256 << 20)
+    weights[::4096] = 1
+    host.collapse_later(weights)
+    host.collapse_to_huge_pages()
+    thread = host._collapser
+    assert thread is not None
+    host._stop_collapsing()  # what the interpreter runs at exit
+    assert not thread.is_alive() and host._collapser is None
+    assert huge_page_kib(weights) < 256 << 10  # stopped part way
+    host.collapse_to_huge_pages()  # stopped for good
+    assert host._collapser is None and int(weights[::4096].sum()) == 65536
+
+
+_EXIT_WHILE_COLLAPSING = """
+import torch
+from ember import host
+weights = host.weight_zeros((256 << 20,), torch.uint8)
+weights[::4096] = 1  # written in 4 KiB pages
+host.collapse_to_huge_pages()
+print("queued", flush=True)
+"""
+
+
+def test_a_process_that_exits_while_its_weights_collapse_exits_cleanly():
+    """The collapsing thread is inside madvise most of the time: were it left running at
+    exit, the interpreter's finalization would abort the process (SIGABRT, "terminate called
+    without an active exception"), as it did for a script that exited right after loading."""
+    import subprocess
+    import sys
+
+    for _ in range(3):
+        child = subprocess.run(
+            [sys.executable, "-c", _EXIT_WHILE_COLLAPSING],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert child.returncode == 0 and "queued" in child.stdout, child.stderr[-2000:]
 
 
 _PREBUILD_CHILD = """

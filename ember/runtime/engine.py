@@ -19,6 +19,7 @@ import torch
 
 from ember.attention import get_backend
 from ember.compiler.loader import LoadedModel, LoRAShape, load_model
+from ember.host import collapse_to_huge_pages
 from ember.lora.adapter import LoRARequest
 from ember.lora.manager import LoRAManager
 from ember.runtime.block_manager import BlockManager
@@ -178,6 +179,7 @@ class LLMEngine:
                 f"max_model_len={config.max_model_len}; raise kv_cache_gib or lower max_model_len"
             )
         engine = cls(config, loaded, num_blocks)
+        collapse_to_huge_pages()  # the weights' pages, on a thread, while the graphs compile
         engine.compile_cache_hit = engine.runner.warmup(show_progress)
         return engine
 

@@ -20,7 +20,7 @@ from ember import LLM, SamplingParams
 from ember.compiler.quant import FusedSlice, GroupEmbedding, GroupLinear, _from_panels
 from ember.tools.bench import teacher_forced_ranks
 from ember.tools.gguf_writer import write_gguf
-from tests.conftest import group_quantized_x, make_prompts
+from tests.conftest import group_quantized_x, huge_page_kib, make_prompts
 
 gguf = pytest.importorskip("gguf")
 
@@ -586,7 +586,7 @@ print(json.dumps({
 def test_gguf_quantized_weights_are_packed_into_one_huge_page_arena(gguf_file, qtype):
     from ember import LLM, SamplingParams
     from ember.compiler.quant import GroupLinear
-    from ember.host import _in_huge_map, huge_pages_available
+    from ember.host import _in_huge_map, collapse_to_huge_pages, huge_pages_available
 
     llm = LLM(model=gguf_file("tiny-llama", qtype), compile=False, kv_cache_gib=0.05)
     model = llm.llm_engine.runner.model
@@ -597,6 +597,8 @@ def test_gguf_quantized_weights_are_packed_into_one_huge_page_arena(gguf_file, q
         pytest.skip("no transparent huge pages for anonymous memory here")
     storages = {t.untyped_storage().data_ptr() for t in packed}
     assert len(storages) == 1 and _in_huge_map(storages.pop())
+    collapse_to_huge_pages(wait=True)  # started by the engine once loaded
+    assert huge_page_kib(packed[0]) >= 2048
     if qtype == "Q4_1":
         assert any(getattr(m, "mins", None) is not None for m in model.modules())
     out = llm.generate(["hello world"], SamplingParams(max_tokens=4, temperature=0.0))
