@@ -415,8 +415,7 @@ def _collapse_span(written: torch.Tensor) -> int:
 
 def collapse_to_huge_pages(wait: bool = False) -> None:
     """Turn the pages of every weight queued by `collapse_later` into huge pages, on a
-    thread (one at a time; it holds the weights' maps until it is done), or in this thread
-    too with `wait`. The engine calls this once its model is loaded: the collapse (about as
+    thread (one at a time; it holds the weights' maps until it is done); `wait` joins it. The engine calls this once its model is loaded: the collapse (about as
     slow as faulting huge pages in: ~0.2 s for 80 MB on the VM above) runs while the graphs
     compile, or while the first steps run, not on the way to a ready engine."""
     global _collapser
