@@ -303,18 +303,23 @@ def huge_pages_available() -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
-def _huge_map(nbytes: int) -> mmap.mmap:
-    """A private anonymous map of `nbytes` (zeroed lazily, page by page as it is touched),
-    advised to use transparent huge pages."""
+# The live maps of `_lazy_map`: start address -> (end address, the map, weakly).
+_huge_maps: dict[int, tuple[int, weakref.ref[mmap.mmap]]] = {}
+
+
+def _lazy_map(nbytes: int, advice: int | None) -> torch.Tensor:
+    """A private anonymous map of `nbytes` (zeroed lazily, page by page as it is touched) as
+    a uint8 tensor, which keeps the map alive; madvised `advice` (MADV_HUGEPAGE or
+    MADV_NOHUGEPAGE) where the OS has it."""
+    import torch
+
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     buffer = mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buffer.madvise(mmap.MADV_HUGEPAGE)
-    return buffer
-
-
-# The live maps of `zeroed_lazily`: start address -> (end address, the map, weakly).
-_huge_maps: dict[int, tuple[int, weakref.ref[mmap.mmap]]] = {}
+    if advice is not None and hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(advice)
+    whole = torch.frombuffer(buffer, dtype=torch.uint8)
+    _huge_maps[whole.data_ptr()] = (whole.data_ptr() + nbytes, weakref.ref(buffer))
+    return whole
 
 
 def _in_huge_map(address: int) -> bool:
@@ -337,10 +342,7 @@ def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    buffer = _huge_map(nbytes)
-    tensor = torch.frombuffer(buffer, dtype=dtype).view(shape)
-    _huge_maps[tensor.data_ptr()] = (tensor.data_ptr() + nbytes, weakref.ref(buffer))
-    return tensor
+    return _lazy_map(nbytes, getattr(mmap, "MADV_HUGEPAGE", None)).view(dtype).view(shape)
 
 
 # Weights at least this large are allocated by `weight_zeros` in their own map.
@@ -375,15 +377,9 @@ def _weight_map(nbytes: int) -> torch.Tensor:
     in 4 KiB pages, and the writer queues what it wrote with `collapse_later`; the engine,
     once ready, has a thread collapse it (`collapse_to_huge_pages`). Elsewhere the map is
     advised to use huge pages as they are first touched. The tensor keeps the map alive."""
-    import torch
-
     span = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE + _HUGE_PAGE
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    buffer = mmap.mmap(-1, span, flags=flags) if flags else mmap.mmap(-1, span)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buffer.madvise(mmap.MADV_NOHUGEPAGE if _can_collapse() else mmap.MADV_HUGEPAGE)
-    whole = torch.frombuffer(buffer, dtype=torch.uint8)
-    _huge_maps[whole.data_ptr()] = (whole.data_ptr() + span, weakref.ref(buffer))
+    advice = "MADV_NOHUGEPAGE" if _can_collapse() else "MADV_HUGEPAGE"
+    whole = _lazy_map(span, getattr(mmap, advice, None))
     skip = -whole.data_ptr() % _HUGE_PAGE
     return whole[skip : skip + nbytes]
 
@@ -415,9 +411,10 @@ def _collapse_span(written: torch.Tensor) -> int:
 
 def collapse_to_huge_pages(wait: bool = False) -> None:
     """Turn the pages of every weight queued by `collapse_later` into huge pages, on a
-    thread (one at a time; it holds the weights' maps until it is done); `wait` joins it. The engine calls this once its model is loaded: the collapse (about as
-    slow as faulting huge pages in: ~0.2 s for 80 MB on the VM above) runs while the graphs
-    compile, or while the first steps run, not on the way to a ready engine."""
+    thread (one at a time; it holds the weights' maps until it is done); `wait` joins it.
+    The engine calls this once its model is loaded: the collapse (about as slow as faulting
+    huge pages in: ~0.2 s for 80 MB on the VM above) runs while the graphs compile, or while
+    the first steps run, not on the way to a ready engine."""
     global _collapser
     with _collapse_lock:
         if _to_collapse and _collapser is None and not _collapse_stop.is_set():
