@@ -539,6 +539,14 @@ def _libc_madvise() -> Callable[[int, int, int], int] | None:
     return madvise
 
 
+def drop_pages(start: int, nbytes: int) -> bool:
+    """madvise(MADV_DONTNEED) the whole pages [start, start + nbytes): private anonymous
+    memory there reads as zeros afterwards, a file mapping's pages as the file's bytes again
+    (they leave the process's RSS either way). False where it failed or the OS lacks it."""
+    madvise = _libc_madvise()
+    return madvise is not None and madvise(start, nbytes, mmap.MADV_DONTNEED) == 0
+
+
 _arena = threading.local()  # .current: the thread's active WeightArena
 
 

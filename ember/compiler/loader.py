@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ from ember.compiler.quant import (
     quantize_int8_,
     use_kernel_linears_,
 )
-from ember.host import move_to_huge_pages, release_free_heap
+from ember.host import drop_pages, move_to_huge_pages, release_free_heap
 from ember.lora.layers import LoRALinear, install_lora
 
 logger = logging.getLogger("ember")
@@ -132,16 +133,18 @@ def load_model(
     layers = token_slots = None
     if lora is not None:  # before narrowing, which then reaches the wrapped base linears too
         layers, token_slots = install_lora(model, lora.max_loras, lora.max_rank, lora.max_tokens)
+    consumed = CheckpointPages(model, spec.model_dir)
+    if spec.task == "generate" and spec.multimodal is None and lora is None:
+        # Fused as the checkpoint's own tensors, then packed: each group is copied once.
+        fuse_projections_(model, consumed)
     if quantization == "int8":
         kernels.load(cpu_isa)
-        quantize_int8_(model)
+        quantize_int8_(model, consumed)
     elif quantization == "int4":
         kernels.load(cpu_isa)
-        quantize_int4_(model)
+        quantize_int4_(model, consumed=consumed)
     elif (kernel_linears or narrow) and kernels.available(cpu_isa):
-        use_kernel_linears_(model, dtype)
-    if spec.task == "generate" and spec.multimodal is None and lora is None:
-        fuse_projections_(model)
+        use_kernel_linears_(model, dtype, consumed)
     if narrow:
         _widen_all_but_linear_weights(model, dtype)
     _release_checkpoint_mapping(model, spec.model_dir)
@@ -274,6 +277,58 @@ def _release_checkpoint_mapping(model: PreTrainedModel, model_dir: str) -> None:
             t.data = copy  # the same Parameter object: ties through it survive
         else:
             module._buffers[name] = copy
+
+
+class CheckpointPages:
+    """Gives back the pages of the checkpoint's file mapping that a weight held once that
+    weight has been re-laid out (fused, packed or quantized into tensors of ember's own), so
+    the load holds about one copy of the weights rather than two: the mapping's pages count
+    in the process's RSS until unmapped, and the mapping stays until the last view of it
+    goes (`_release_checkpoint_mapping`, after every linear is converted). Measured on a
+    Qwen2-0.5B bf16 checkpoint (988 MB), peak RSS over the load: 2379 MB with the default
+    dtype, 2928 MB with int8, before; see the tests.
+
+    Only whole pages inside the weight are given back (`MADV_DONTNEED`: a later read of them
+    would fault in the file's bytes again), once every module that held it has let it go (a
+    tied table stays while its embedding reads it), and none that another tensor views.
+    """
+
+    def __init__(self, model: torch.nn.Module, model_dir: str) -> None:
+        self.ranges = _mapped_ranges(os.path.realpath(model_dir))
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        # id -> (the tensor, weakly: a freed one's id may be reused; its byte range)
+        self.views: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
+        self.users: dict[int, int] = {}  # id -> modules holding it
+        self.released = 0
+        for module in model.modules():
+            for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                start = t.data_ptr()
+                if t.numel() and self._mapped(start):
+                    nbytes = t.numel() * t.element_size()
+                    self.views[id(t)] = (weakref.ref(t), start, start + nbytes)
+                    self.users[id(t)] = self.users.get(id(t), 0) + 1
+
+    def _mapped(self, address: int) -> bool:
+        return any(start <= address < end for start, end in self.ranges)
+
+    def __call__(self, t: torch.Tensor) -> None:
+        view = self.views.get(id(t))
+        if view is None or view[0]() is not t:
+            return
+        self.users[id(t)] -= 1
+        if self.users[id(t)] > 0:
+            return
+        del self.views[id(t)]
+        if not t.is_contiguous():
+            return
+        first = -(-view[1] // self.page) * self.page
+        last = view[2] // self.page * self.page
+        if last <= first:
+            return
+        if any(ref() is not None and s < last and first < e for ref, s, e in self.views.values()):
+            return  # another tensor views these pages (a tie, an alias): left mapped
+        if drop_pages(first, last - first):
+            self.released += last - first
 
 
 def _mapped_ranges(directory: str) -> list[tuple[int, int]]:

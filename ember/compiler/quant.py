@@ -66,9 +66,7 @@ class PackedLinear(nn.Module):
         w = linear.weight.detach()
         scales = None
         if quantize:
-            w = w.float()
-            scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-            w = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+            w, scales = _quantize_int8_rows(w)
         # pairs: bf16 weights for bf16 activations (vdpbf16ps); else fp32 math panels.
         pack = (
             torch.ops.ember_cpu.pack_bf16_pairs if pairs else torch.ops.ember_cpu.pack_linear_weight
@@ -179,18 +177,54 @@ def gathers_rows(module: nn.Module | None) -> bool:
     return type(module) is nn.Embedding or hasattr(module, "scalar_embed_scale")
 
 
-def _replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
-    targets = [
-        (name, module) for name, module in model.named_modules() if type(module) is nn.Linear
+# Called with a weight the model no longer holds once it has been re-laid out (packed,
+# quantized or fused into a new tensor): `ember.compiler.loader`'s gives its pages of the
+# checkpoint's file mapping back.
+Consumed = Callable[[torch.Tensor], None]
+
+
+def _replace_linears(
+    model: nn.Module, make: Callable[[nn.Linear], nn.Module], consumed: Consumed | None = None
+) -> int:
+    """Replace every nn.Linear of `model` with `make(linear)`, in place, under every name it
+    has (the fused linear of a `FusedSlice` group has one per slice); returns how many
+    linears. `consumed` gets each replaced weight the new module does not hold."""
+    # Names, not modules: each old linear is freed as soon as its last name is replaced.
+    names = [
+        name
+        for name, module in model.named_modules(remove_duplicate=False)
+        if type(module) is nn.Linear
     ]
-    for name, linear in targets:
+    made: dict[int, nn.Module] = {}  # id of a replaced linear still named -> its replacement
+    heap = HeapTrimmer()  # the old weights' heap pages go back to the OS as it goes
+    for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, make(linear))
-    return len(targets)
+        linear = getattr(parent, child)
+        if type(linear) is not nn.Linear:
+            continue  # replaced through a shared parent's other name
+        if id(linear) not in made:
+            made[id(linear)] = module = make(linear)
+            weight = linear.weight
+            if consumed is not None and not _holds(module, weight):
+                consumed(weight)
+            heap.freed(weight.nbytes)
+            del weight
+        setattr(parent, child, made[id(linear)])
+        del linear
+    return len(made)
 
 
-def use_kernel_linears_(model: nn.Module, activations: torch.dtype) -> int:
+def _holds(module: nn.Module, t: torch.Tensor) -> bool:
+    """Whether a tensor of `module` shares `t`'s storage."""
+    ptr = t.untyped_storage().data_ptr()
+    tensors = [*module.parameters(), *module.buffers()]
+    return any(x.untyped_storage().data_ptr() == ptr for x in tensors)
+
+
+def use_kernel_linears_(
+    model: nn.Module, activations: torch.dtype, consumed: Consumed | None = None
+) -> int:
     """Route every bf16/fp32 nn.Linear of `model` through ember's kernels, in place, for
     `activations` (the run dtype): `PackedLinear` for fp32 activations, and for bf16 ones with
     bf16 weights where the kernels have bf16 pairs and the CPU no AMX; else `GemvLinear`.
@@ -200,7 +234,7 @@ def use_kernel_linears_(model: nn.Module, activations: torch.dtype) -> int:
     `PackedEmbedding` reading rows from the head's packed weight (the table is held once).
     Where the table has other users (BART's encoder and decoder share it) or the embedding is
     another subclass, the head stays a `GemvLinear` over the shared [vocab, d] table. Returns
-    how many linears were replaced."""
+    how many linears were replaced; `consumed` as `_replace_linears`."""
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     shared = getattr(embed, "weight", None)
     pairs = activations == torch.bfloat16 and kernels.bf16_pairs() and not cpu_has_amx()
@@ -222,7 +256,7 @@ def use_kernel_linears_(model: nn.Module, activations: torch.dtype) -> int:
             tied.append(module)
         return module
 
-    count = _replace_linears(model, make)
+    count = _replace_linears(model, make, consumed)
     if tied:
         assert isinstance(embed, nn.Embedding)
         packed = PackedEmbedding(embed, tied[0], None if scale is None else float(scale))
@@ -230,9 +264,27 @@ def use_kernel_linears_(model: nn.Module, activations: torch.dtype) -> int:
     return count
 
 
-def quantize_int8_(model: nn.Module) -> int:
-    """Replace every nn.Linear in `model` with an Int8Linear, in place; returns how many."""
-    return _replace_linears(model, Int8Linear)
+def quantize_int8_(model: nn.Module, consumed: Consumed | None = None) -> int:
+    """Replace every nn.Linear in `model` with an Int8Linear, in place; returns how many;
+    `consumed` as `_replace_linears`."""
+    return _replace_linears(model, Int8Linear, consumed)
+
+
+def _quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int8 [N, K], scales fp32 [N]) of w per output channel (scale = max|w| / 127),
+    `row_chunk` rows at a time: a 16-bit weight is widened to fp32 a chunk at a time, never
+    as a whole (Qwen2-0.5B's 136M-value LM head in fp32 is 545 MB, and each step of the
+    rounding held another such temporary)."""
+    n, k = w.shape
+    codes = torch.empty((n, k), dtype=torch.int8)
+    scales = torch.empty(n, dtype=torch.float32)
+    step = row_chunk(k)
+    for i in range(0, n, step):
+        rows = w[i : i + step].float()
+        s = rows.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        codes[i : i + step] = torch.round(rows / s[:, None]).clamp(-127, 127)
+        scales[i : i + step] = s
+    return codes, scales
 
 
 def row_chunk(in_features: int) -> int:
@@ -555,18 +607,23 @@ def quantize_groups(
     return codes.flatten(-2), scales, mins
 
 
-def quantize_int4_(model: nn.Module, symmetric: bool = False) -> int:
-    """Replace every nn.Linear of `model` with a 4-bit `GroupLinear`, in place, one layer at a
-    time (each weight is widened to fp32 only while it is quantized); a linear whose input size
-    is not a multiple of 32 becomes an `Int8Linear`. Returns how many were replaced."""
+def quantize_int4_(
+    model: nn.Module, symmetric: bool = False, consumed: Consumed | None = None
+) -> int:
+    """Replace every nn.Linear of `model` with a 4-bit `GroupLinear`, in place, one linear at
+    a time and `row_chunk` rows at a time (a weight is widened to fp32 a chunk at a time
+    while it is quantized); a linear whose input size is not a multiple of 32 becomes an
+    `Int8Linear`. Returns how many were replaced; `consumed` as `_replace_linears`."""
 
     def make(linear: nn.Linear) -> nn.Module:
         if linear.in_features % GROUP_SIZE:
             return Int8Linear(linear)
-        codes, scales, mins = quantize_groups(linear.weight, 4, symmetric)
-        return GroupLinear(codes, scales, mins, 4, linear.bias)
+        w = linear.weight.detach()
+        step = row_chunk(linear.in_features)
+        chunks = (quantize_groups(w[i : i + step], 4, symmetric) for i in range(0, len(w), step))
+        return GroupLinear.from_row_chunks(linear.out_features, 4, chunks, linear.bias)
 
-    return _replace_linears(model, make)
+    return _replace_linears(model, make, consumed)
 
 
 # Projections of one module that read the same input, fused into one linear each
@@ -638,7 +695,9 @@ def _fuse(parts: list[nn.Module]) -> nn.Module | None:
     if kind in (nn.Linear, GemvLinear):
         if len({p.weight.dtype for p in parts}) != 1:
             return None
-        linear = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=False)
+        out_features = sum(p.out_features for p in parts)
+        # On the meta device: no random init of a weight that is replaced at once.
+        linear = nn.Linear(parts[0].in_features, out_features, bias=False, device="meta")
         linear.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), False)
         bias = _cat_bias(parts)
         if bias is not None:
@@ -677,7 +736,7 @@ def _fuse(parts: list[nn.Module]) -> nn.Module | None:
     return fused
 
 
-def fuse_projections_(model: nn.Module) -> int:
+def fuse_projections_(model: nn.Module, consumed: Consumed | None = None) -> int:
     """Fuse each module's q/k/v projections, and gate/up ones, into one linear (`FusedSlice`
     views of it), in place; returns how many groups were fused.
 
@@ -685,7 +744,10 @@ def fuse_projections_(model: nn.Module) -> int:
     AVX-512), compiled, the linears of a step, fused vs one call per projection:
     llama-160m Q4_0 1.86 vs 2.46 ms, Q8_0 2.09 vs 2.50; qwen2-0.5b Q4_0 6.03 vs 9.14,
     Q8_0 11.7 vs 14.3 (one parallel region per group instead of per projection, and qwen2's
-    128-row K and V projections no longer run alone)."""
+    128-row K and V projections no longer run alone).
+
+    Fusing plain `nn.Linear`s (a checkpoint's, before they are packed or quantized) copies
+    each group once; `consumed` then gets the parts' weights, as `_replace_linears`."""
     count = 0
     heap = HeapTrimmer()  # the replaced parts' heap pages go back as the fusing goes on
     for module in list(model.modules()):
@@ -701,6 +763,11 @@ def fuse_projections_(model: nn.Module) -> int:
             )
             place_fused(module, names, [p.out_features for p in parts], fused)  # type: ignore[misc]
             count += 1
+            if consumed is not None:
+                for part in parts:
+                    for t in (*part.parameters(), *part.buffers()):  # type: ignore[union-attr]
+                        if not _holds(fused, t):
+                            consumed(t)
     return count
 
 

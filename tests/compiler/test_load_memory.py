@@ -1,0 +1,109 @@
+"""A checkpoint's weights, converted into ember's layouts while loading, give their pages of the
+checkpoint's file mapping back as they go (`ember.compiler.loader.CheckpointPages`), without
+changing what the model computes; quantizing never widens a whole weight to fp32."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ember.compiler import quant
+from ember.compiler.loader import CheckpointPages
+
+# Wide enough that every projection spans whole pages of the mapping.
+_SHAPE = dict(hidden_size=256, intermediate_size=1024, vocab_size=2048)
+
+
+def _mapping_rss_bytes(model_dir: str) -> int:
+    """Resident bytes of this process's mappings of files under `model_dir` (smaps)."""
+    root, total, inside = os.path.realpath(model_dir) + os.sep, 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and ":" not in fields[0]:
+                inside = len(fields) >= 6 and fields[5].startswith(root)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def _convert(model: torch.nn.Module, how: str, consumed: CheckpointPages | None) -> None:
+    from ember import kernels
+
+    kernels.load()
+    quant.fuse_projections_(model, consumed)
+    if how == "int8":
+        quant.quantize_int8_(model, consumed)
+    elif how == "int4":
+        quant.quantize_int4_(model, consumed=consumed)
+    else:
+        quant.use_kernel_linears_(model, torch.float32, consumed)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("how", ["packed", "int8", "int4"])
+def test_converted_weights_give_their_checkpoint_pages_back(checkpoint_dir, how, tied):
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint_dir("tiny-qwen2", dtype=torch.bfloat16, tie_word_embeddings=tied, **_SHAPE)
+    ids = torch.tensor([[1, 5, 9, 200, 7, 1000, 3]])
+
+    def load():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        model.eval().requires_grad_(False)
+        with torch.no_grad():  # every weight read once: the whole mapping resident
+            for t in model.parameters():
+                t.float().sum()
+        return model
+
+    reference = load()
+    _convert(reference, how, None)
+    with torch.inference_mode():
+        want = reference(ids).logits
+    del reference
+
+    model = load()
+    resident = _mapping_rss_bytes(path)
+    linear_weights = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
+    linear_bytes = sum(w.nbytes for w in {id(w): w for w in linear_weights}.values())
+    num_linears = len(linear_weights)
+    del linear_weights
+    table_bytes = model.get_input_embeddings().weight.nbytes
+    assert resident >= linear_bytes  # mapped, not copied: what there is to give back
+    consumed = CheckpointPages(model, path)
+    _convert(model, how, consumed)
+
+    # Every linear's whole pages went back but a tied table's (the embedding still reads it).
+    given_back = linear_bytes - (table_bytes if tied else 0)
+    edges = 2 * os.sysconf("SC_PAGE_SIZE")  # a weight's partial first and last pages stay
+    assert consumed.released >= given_back - num_linears * edges
+    assert _mapping_rss_bytes(path) <= resident - consumed.released
+    with torch.inference_mode():
+        got = model(ids).logits
+    assert torch.equal(got, want)  # what the mapping still holds (the table, norms) is intact
+
+
+def test_int8_and_int4_quantize_a_weight_a_chunk_at_a_time():
+    """Quantized a row chunk at a time, a weight gets exactly the codes and scales of the
+    whole-weight formulas (int8: per row; int4: per group of 32, `quantize_groups`)."""
+    from ember import kernels
+
+    kernels.load()
+    w = torch.randn(1000, 4096, dtype=torch.bfloat16)
+    assert quant.row_chunk(4096) < 1000  # several chunks
+    codes, scales = quant._quantize_int8_rows(w)
+    whole = w.float()
+    want_scales = whole.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    want_codes = torch.round(whole / want_scales[:, None]).clamp(-127, 127).to(torch.int8)
+    assert torch.equal(scales, want_scales) and torch.equal(codes, want_codes)
+
+    linear = torch.nn.Linear(4096, 1000, bias=False, dtype=torch.bfloat16)
+    linear.weight.data = w
+    block = torch.nn.Sequential(linear)
+    quant.quantize_int4_(block)
+    got = block[0]
+    want = quant.GroupLinear(*quant.quantize_groups(w, 4, False), 4)
+    for name in ("codes", "scales", "mins"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
