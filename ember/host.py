@@ -516,9 +516,8 @@ class WeightArena:
         if self._thread is not None:
             self._thread.join()
         tail = -(-self.used // _HUGE_PAGE) * _HUGE_PAGE  # the base is huge-page aligned
-        madvise = _libc_madvise()
-        if tail < self._populate and madvise is not None:
-            madvise(self._base.data_ptr() + tail, self._populate - tail, mmap.MADV_DONTNEED)
+        if tail < self._populate:
+            drop_pages(self._base.data_ptr() + tail, self._populate - tail)
         collapse_later(self._base[: self.used])
 
 

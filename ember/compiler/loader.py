@@ -251,20 +251,7 @@ def _release_checkpoint_mapping(model: PreTrainedModel, model_dir: str) -> None:
     if not ranges:
         return
     mapped = sum(end - start for start, end in ranges)
-
-    def in_mapping(t: torch.Tensor) -> bool:
-        return any(start <= t.data_ptr() < end for start, end in ranges)
-
-    tensors = [
-        (module, name, t, is_param)
-        for module in model.modules()
-        for is_param, items in (
-            (True, module.named_parameters(recurse=False)),
-            (False, module.named_buffers(recurse=False)),
-        )
-        for name, t in items
-        if t.numel() and in_mapping(t)
-    ]
+    tensors = _mapped_tensors(model, ranges)
     used = sum(
         t.numel() * t.element_size() for _, _, t, _ in {id(x[2]): x for x in tensors}.values()
     )
@@ -301,16 +288,10 @@ class CheckpointPages:
         self.views: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
         self.users: dict[int, int] = {}  # id -> modules holding it
         self.released = 0
-        for module in model.modules():
-            for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-                start = t.data_ptr()
-                if t.numel() and self._mapped(start):
-                    nbytes = t.numel() * t.element_size()
-                    self.views[id(t)] = (weakref.ref(t), start, start + nbytes)
-                    self.users[id(t)] = self.users.get(id(t), 0) + 1
-
-    def _mapped(self, address: int) -> bool:
-        return any(start <= address < end for start, end in self.ranges)
+        for _, _, t, _ in _mapped_tensors(model, self.ranges):
+            start = t.data_ptr()
+            self.views[id(t)] = (weakref.ref(t), start, start + t.numel() * t.element_size())
+            self.users[id(t)] = self.users.get(id(t), 0) + 1
 
     def __call__(self, t: torch.Tensor) -> None:
         view = self.views.get(id(t))
@@ -330,6 +311,23 @@ class CheckpointPages:
             return  # another tensor views these pages (a tie, an alias): left mapped
         if drop_pages(first, last - first):
             self.released += last - first
+
+
+def _mapped_tensors(
+    model: torch.nn.Module, ranges: list[tuple[int, int]]
+) -> list[tuple[torch.nn.Module, str, torch.Tensor, bool]]:
+    """(module, name, tensor, is_param) of each parameter and buffer of `model` whose data lies
+    in one of `ranges`, once per module holding it (a tied tensor once per holder)."""
+    return [
+        (module, name, t, is_param)
+        for module in model.modules()
+        for is_param, items in (
+            (True, module.named_parameters(recurse=False)),
+            (False, module.named_buffers(recurse=False)),
+        )
+        for name, t in items
+        if t.numel() and any(start <= t.data_ptr() < end for start, end in ranges)
+    ]
 
 
 def _mapped_ranges(directory: str) -> list[tuple[int, int]]:
