@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -246,3 +249,57 @@ def huge_page_kib(t: torch.Tensor) -> int:
             elif found and head == "AnonHugePages:":
                 return int(line.split()[1])
     return 0
+
+
+_LOAD_RSS_CHILD = """
+import json, os, sys
+import torch
+from ember.attention import get_backend
+from ember.compiler.hf_config import read_model_spec
+from ember.compiler.loader import load_model
+
+def status_mib(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) / 1024
+
+def load(path, quantization):  # as the engine's dtype="auto" loads it
+    spec = read_model_spec(path)
+    weights = torch.bfloat16 if quantization is None else None  # (a GGUF file ignores it)
+    return load_model(
+        spec, torch.float32, get_backend("torch"), quantization=quantization, weight_dtype=weights
+    )
+
+path = sys.argv[2]
+quantization = None if sys.argv[3] == "none" else sys.argv[3]
+load(sys.argv[1], quantization)  # every import and the kernels, on a tiny model
+before = status_mib("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) restarts from here
+loaded = load(path, quantization)
+if os.path.isdir(path):
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+               if f.endswith(".safetensors"))
+else:
+    size = os.path.getsize(path)
+print(json.dumps({
+    "grown": status_mib("VmRSS") - before,
+    "peak": status_mib("VmHWM") - before,
+    "file": size / 2**20,
+}))
+"""
+
+
+def load_rss_mib(tiny: str, path: str, quantization: str = "none") -> dict[str, float]:
+    """Load `path` (a GGUF file or a safetensors checkpoint dir) with `load_model` in a fresh
+    process, after loading `tiny` there (every import, the kernels); returns the RSS it
+    `grown` by, at its `peak` (VmHWM restarted before it) and after, and the weights' `file`
+    size, in MiB."""
+    child = subprocess.run(
+        [sys.executable, "-c", _LOAD_RSS_CHILD, tiny, path, quantization],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])

@@ -4,16 +4,14 @@ changing what the model computes; quantizing never widens a whole weight to fp32
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from ember.compiler import quant
 from ember.compiler.loader import CheckpointPages
+from tests.conftest import load_rss_mib
 
 # Wide enough that every projection spans whole pages of the mapping.
 _SHAPE = dict(hidden_size=256, intermediate_size=1024, vocab_size=2048)
@@ -112,41 +110,6 @@ def test_int8_and_int4_quantize_a_weight_a_chunk_at_a_time():
         assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
-_RSS_CHILD = """
-import json, os, sys
-import torch
-from ember.attention import get_backend
-from ember.compiler.hf_config import read_model_spec
-from ember.compiler.loader import load_model
-
-def status_mib(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) / 1024
-
-def load(path, quantization):  # as the engine's dtype="auto" loads a bf16 checkpoint
-    spec = read_model_spec(path)
-    weights = torch.bfloat16 if quantization is None else None
-    return load_model(
-        spec, torch.float32, get_backend("torch"), quantization=quantization, weight_dtype=weights
-    )
-
-quantization = None if sys.argv[3] == "none" else sys.argv[3]
-load(sys.argv[1], quantization)  # every import and the kernels, on a tiny checkpoint
-before = status_mib("VmRSS")
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # the peak (VmHWM) restarts from here
-loaded = load(sys.argv[2], quantization)
-size = sum(os.path.getsize(os.path.join(sys.argv[2], f)) for f in os.listdir(sys.argv[2])
-           if f.endswith(".safetensors"))
-print(json.dumps({
-    "grown": status_mib("VmRSS") - before,
-    "peak": status_mib("VmHWM") - before,
-    "file": size / 2**20,
-}))
-"""
-
-
 @pytest.mark.parametrize(("quantization", "kept"), [("none", 1.0), ("int8", 0.55), ("int4", 0.35)])
 def test_a_bf16_checkpoint_loads_adding_about_what_it_keeps(checkpoint_dir, quantization, kept):
     """A 64M-parameter bf16 checkpoint (128 MB) in a fresh process, measured after the imports:
@@ -163,13 +126,6 @@ def test_a_bf16_checkpoint_loads_adding_about_what_it_keeps(checkpoint_dir, quan
     )
     tiny = checkpoint_dir("tiny-llama", dtype=torch.bfloat16)
     path = checkpoint_dir("tiny-llama", dtype=torch.bfloat16, **shape)
-    child = subprocess.run(
-        [sys.executable, "-c", _RSS_CHILD, tiny, path, quantization],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stderr[-3000:]
-    got = json.loads(child.stdout.strip().splitlines()[-1])
+    got = load_rss_mib(tiny, path, quantization)
     assert got["grown"] < kept * got["file"] + 24, got
     assert got["peak"] < (kept + 0.3) * got["file"] + 24, got

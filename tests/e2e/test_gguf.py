@@ -20,7 +20,7 @@ from ember import LLM, SamplingParams
 from ember.compiler.quant import FusedSlice, GroupEmbedding, GroupLinear, _from_panels
 from ember.tools.bench import teacher_forced_ranks
 from ember.tools.gguf_writer import write_gguf
-from tests.conftest import group_quantized_x, huge_page_kib, make_prompts
+from tests.conftest import group_quantized_x, huge_page_kib, load_rss_mib, make_prompts
 
 gguf = pytest.importorskip("gguf")
 
@@ -549,39 +549,6 @@ def test_bad_gguf_files_raise_value_errors_naming_the_problem(gguf_file, tmp_pat
         LLM(model=good, compile=False, dtype="bfloat16", **KW)
 
 
-_RSS_CHILD = """
-import json, os, sys
-import torch
-from ember.attention import get_backend
-from ember.compiler.hf_config import read_model_spec
-from ember.compiler.loader import load_model
-
-def rss_mib():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) / 1024
-
-def load(path):
-    return load_model(read_model_spec(path), torch.float32, get_backend("torch"))
-
-def peak_mib():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM"):
-            return int(line.split()[1]) / 1024
-
-load(sys.argv[1])  # every import and the kernels, on a tiny file
-before = rss_mib()
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # the peak (VmHWM) restarts from here
-loaded = load(sys.argv[2])
-print(json.dumps({
-    "grown": rss_mib() - before,
-    "peak": peak_mib() - before,
-    "file": os.path.getsize(sys.argv[2]) / 2**20,
-}))
-"""
-
-
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
 def test_gguf_quantized_weights_are_packed_into_one_huge_page_arena(gguf_file, qtype):
     from ember import LLM, SamplingParams
@@ -626,11 +593,7 @@ def test_gguf_load_adds_about_the_file_size(gguf_file, qtype, vocab_size, layers
         vocab_size=vocab_size,
     )
     path = gguf_file("tiny-llama", qtype, **shape)
-    child = subprocess.run(
-        [sys.executable, "-c", _RSS_CHILD, tiny, path], capture_output=True, text=True, timeout=600
-    )
-    assert child.returncode == 0, child.stderr[-3000:]
-    got = json.loads(child.stdout.strip().splitlines()[-1])
+    got = load_rss_mib(tiny, path)
     assert got["grown"] < 1.15 * got["file"] + 16, got
     assert got["peak"] < 1.3 * got["file"] + 16, got
 
