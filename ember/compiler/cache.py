@@ -125,19 +125,25 @@ def graph_file(cache_dir: str, parts: dict[str, Any], name: str) -> str:
     return os.path.join(entry_dir(cache_dir, parts), "graphs", f"{name}.bin")
 
 
-def lookup(cache_dir: str, parts: dict[str, Any]) -> bool:
-    """True when a complete entry for `parts` exists (marked as just used); else log one line
-    saying why not (the start is slow then: it compiles)."""
+def lookup(cache_dir: str, parts: dict[str, Any]) -> dict[str, Any] | None:
+    """The record of the complete entry for `parts` (its key.json: the key, plus what
+    `mark_complete` recorded), marked as just used; else None, after logging one line saying
+    why not (the start is slow then: it compiles)."""
     entry = entry_dir(cache_dir, parts)
-    if os.path.isfile(os.path.join(entry, KEY_FILE)):
+    try:
+        with open(os.path.join(entry, KEY_FILE)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        record = None
+    if isinstance(record, dict):
         touch(entry)
-        return True
+        return record
     logger.warning(
         "compile cache %s has no entry for this engine (%s); compiling",
         cache_dir,
         _describe_mismatch(cache_dir, parts),
     )
-    return False
+    return None
 
 
 # What the default compile cache keeps, least recently used entries first out (entries of
@@ -145,15 +151,26 @@ def lookup(cache_dir: str, parts: dict[str, Any]) -> bool:
 COMPILE_CACHE_MAX_BYTES = 2 << 30
 
 
-def mark_complete(cache_dir: str, parts: dict[str, Any]) -> str:
-    """Mark the entry of `parts` complete (every graph saved). In the default cache dir, the
+# What `mark_complete` records with an entry besides its key: inductor's vector-ISA probe
+# result of the process that built it (`ember.compiler.inductor.vec_isa_probe`).
+VEC_ISA_RECORD = "recorded_inductor_vec_isa"
+
+
+def mark_complete(
+    cache_dir: str, parts: dict[str, Any], vec_isa: dict[str, list[str]] | None = None
+) -> str:
+    """Mark the entry of `parts` complete (every graph saved), recording `vec_isa` (see
+    `VEC_ISA_RECORD`) with its key. In the default cache dir, the
     least recently used entries then go while it holds over `COMPILE_CACHE_MAX_BYTES`: its
     key changes with ember's and torch's versions, so entries only a past version could load
     would pile up. A dir given explicitly is left as it is."""
     entry = entry_dir(cache_dir, parts)
     os.makedirs(entry, exist_ok=True)
+    record = dict(parts)
+    if vec_isa is not None:
+        record[VEC_ISA_RECORD] = vec_isa
     with open(os.path.join(entry, KEY_FILE), "w") as f:
-        json.dump(parts, f, indent=1, sort_keys=True)
+        json.dump(record, f, indent=1, sort_keys=True)
     if _is_default(cache_dir):
         prune_cache(cache_dir, COMPILE_CACHE_MAX_BYTES, keep=entry)
     return entry

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import random
 import stat
 import subprocess
@@ -165,7 +166,14 @@ def test_compiled_long_random_workload_never_recompiles_and_matches_eager(checkp
 _CHILD = textwrap.dedent("""
     import json, sys
     from torch._dynamo.utils import counters
+    from torch._inductor import cpu_vec_isa
     from ember import LLM, SamplingParams
+    probes = []  # inductor's vector-ISA probe builds (its base probe, not the extra ones)
+    check_build = cpu_vec_isa.VecISA.check_build
+    def counted(self, code):
+        probes.append(code == cpu_vec_isa.VecISA._avx_code)
+        return check_build(self, code)
+    cpu_vec_isa.VecISA.check_build = counted
     llm = LLM(model=sys.argv[1], dtype="float32", kv_cache_gib=0.01, block_size=4,
               max_num_batched_tokens=8, max_model_len=64, compile_cache_dir=sys.argv[2],
               use_tqdm=False)
@@ -176,7 +184,8 @@ _CHILD = textwrap.dedent("""
                       "tokens": out[0].outputs[0].token_ids,
                       "compiled": runner.graphs_compiled,
                       "loaded": runner.graphs_loaded,
-                      "traced": counters["stats"]["unique_graphs"]}))
+                      "traced": counters["stats"]["unique_graphs"],
+                      "isa_probes": sum(probes)}))
 """)
 
 
@@ -227,6 +236,9 @@ def test_compile_cache_round_trip_ember_warmup_then_engine(checkpoint_dir, tmp_p
     served = serve()
     assert served["hit"] and served["loaded"] == 2
     assert served["compiled"] == 0 and served["traced"] == 0  # a warm start traces nothing
+    # nor probes the vector ISAs again that the entry's build found valid (x86: ~1 s a start)
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    assert served["isa_probes"] == 0
     assert serve()["tokens"] == served["tokens"]
     # A different engine shape misses, says why in one line, and compiles normally.
     other = warmup(block_size=8)
@@ -240,6 +252,7 @@ def test_compile_cache_round_trip_ember_warmup_then_engine(checkpoint_dir, tmp_p
         and "writable by group or others" in (refused["log"])
     )
     assert not refused["hit"] and refused["loaded"] == 0 and refused["compiled"] == 2
+    assert refused["isa_probes"] > 0 or not x86  # compiling, inductor probes as always
     assert refused["tokens"] == served["tokens"]
 
 
