@@ -4,8 +4,9 @@ engine.
 Layout: `<cache_dir>/<key>/graphs/<forward>-<graph>.bin` is one compiled graph of that engine
 shape (`CompiledForward`: Dynamo's bytecode and the inductor graph, loaded without tracing),
 `<cache_dir>/<key>/inductor/` the inductor cache the graphs were built in (their compiled C++
-kernels), and `<cache_dir>/<key>/key.json` holds the readable parts of the key, written once
-every graph is saved. The key covers everything the
+kernels), and `<cache_dir>/<key>/key.json` holds the readable parts of the key (plus the
+inductor vector-ISA probe result of the build, `VEC_ISA_RECORD`), written once every graph is
+saved. The key covers everything the
 graphs depend on: model config, the rewritten model's structure (module types, tensor names,
 shapes and dtypes), dtype, weight quantization, token-bucket ladder, block size,
 inductor settings, torch version, CPU ISA, the exact -march=native target, ember's version and a
