@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ember import LLM, LoRARequest
-from ember.tools.bench import WORKLOADS, bench_checkpoint, run_ember
+from ember.tools import bench as tools
+from ember.tools.bench import WORKLOADS, run_ember
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RESULTS: dict[tuple[str, str], float] = {}
@@ -21,7 +22,7 @@ RESULTS: dict[tuple[str, str], float] = {}
 
 @pytest.fixture(scope="module")
 def model_dir() -> str:
-    return bench_checkpoint("llama-160m")
+    return tools.bench_checkpoint("llama-160m")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from ember import LLM
-from ember.tools.bench import WORKLOADS, Result, bench_checkpoint, run_ember, run_hf, summarize
+from ember.tools import bench as tools
+from ember.tools.bench import WORKLOADS, Result, run_ember, run_hf, summarize
 
 SHAPES = os.environ.get("EMBER_BENCH_SHAPES", "llama-160m,qwen2-0.5b").split(",")
 DTYPES = ["float32", "bfloat16", "int8"]
@@ -44,7 +45,7 @@ def _record(benchmark, result: Result) -> None:
 @pytest.mark.parametrize("shape", SHAPES)
 def bench_ember(benchmark, shape, dtype, workload):
     wl = WORKLOADS[workload]
-    llm = LLM(model=bench_checkpoint(shape, dtype), dtype=dtype, use_tqdm=False)
+    llm = LLM(model=tools.bench_checkpoint(shape, dtype), dtype=dtype, use_tqdm=False)
     runs: list[Result] = []
     benchmark.pedantic(
         lambda: runs.append(run_ember(llm, wl, repeats=1)), rounds=ROUNDS, iterations=1
@@ -58,7 +59,7 @@ def bench_ember(benchmark, shape, dtype, workload):
 @pytest.mark.parametrize("shape", SHAPES)
 def bench_hf_eager(benchmark, shape, dtype, workload):
     wl = WORKLOADS[workload]
-    path = bench_checkpoint(shape, dtype)
+    path = tools.bench_checkpoint(shape, dtype)
     weights = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     runs: list[Result] = []
     benchmark.pedantic(

@@ -113,6 +113,7 @@ def test_benchmark_suites_import_and_attention_smoke(tmp_path):
             "--collect-only",
             "benchmarks/bench_embed.py",
             "benchmarks/bench_lora.py",
+            "benchmarks/bench_startup.py",
             "benchmarks/bench_workloads.py",
         ],
         capture_output=True,
@@ -120,3 +121,5 @@ def test_benchmark_suites_import_and_attention_smoke(tmp_path):
         timeout=600,
     )
     assert collect.returncode == 0, collect.stdout[-2000:]
+    # Only benchmarks: a helper imported under a bench_* name would be collected (and fail).
+    assert "bench_checkpoint" not in collect.stdout and "bench_warm_start" in collect.stdout
