@@ -7,8 +7,9 @@ at the default dtype (../shared/DESIGN.md; #14's target: <= 3 s warm, <= 45 s co
 The timed unit is one whole child process (interpreter, `import torch`, `import ember`, the
 engine); `extra_info` holds the medians of what the child measured itself: `ready_s` (the
 engine alone, the number the target is about), `import_s`, and `cold_s` of the first start.
-`isa_probes` counts inductor's vector-ISA probe builds in the warm children: 0 where the
-cache entry's record lets the start skip them (`ember.compiler.inductor.vec_isa_trusted`).
+`isa_probes` counts inductor's vector-ISA probes (a child Python loading a test library each)
+in the warm children: 0 where the cache entry recorded them (`ember.compiler.inductor.
+vec_isa_probes`).
 """
 
 from __future__ import annotations
@@ -33,15 +34,15 @@ import torch
 from torch._inductor import cpu_vec_isa
 from ember import LLM
 imported = time.perf_counter()
-probes = []
-check_build = cpu_vec_isa.VecISA.check_build
-def counted(self, code):
-    probes.append(code == cpu_vec_isa.VecISA._avx_code)
-    return check_build(self, code)
-cpu_vec_isa.VecISA.check_build = counted
+probes = []  # inductor's vector-ISA probes: a child Python loading a test library each
+probe_load = cpu_vec_isa.VecISA._probe_load
+def counted(self, path):
+    probes.append(path)
+    return probe_load(self, path)
+cpu_vec_isa.VecISA._probe_load = counted
 llm = LLM(model=sys.argv[1], compile_cache_dir=sys.argv[2], use_tqdm=False)
 print(json.dumps({"import_s": imported - start, "ready_s": time.perf_counter() - imported,
-                  "hit": llm.llm_engine.compile_cache_hit, "isa_probes": sum(probes)}))
+                  "hit": llm.llm_engine.compile_cache_hit, "isa_probes": len(probes)}))
 """
 
 

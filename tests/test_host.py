@@ -126,39 +126,39 @@ def test_compile_cache_default_is_the_user_cache_and_only_it_is_pruned(tmp_path,
         assert sorted(os.path.join(directory, e) for e in os.listdir(directory)) == expect
 
 
-def test_cache_entry_records_the_vec_isa_probe_and_a_broken_key_file_misses(tmp_path):
+def test_cache_entry_records_the_vec_isa_probes_and_a_broken_key_file_misses(tmp_path):
     from ember.compiler import cache
 
-    probe = {"candidates": ["avx512", "avx2"], "valid": ["avx512", "avx2"]}
-    entry = cache.mark_complete(str(tmp_path), {"n": 1}, probe)
+    probes = ["/c/inductor/b/probe.so", "/c/inductor/a/probe.so"]
+    entry = cache.mark_complete(str(tmp_path), {"n": 1}, probes)
     record = cache.lookup(str(tmp_path), {"n": 1})
-    assert record == {"n": 1, cache.VEC_ISA_RECORD: probe}
+    assert record == {"n": 1, cache.VEC_ISA_RECORD: sorted(probes)}
+    assert cache.recorded_probes(record) == sorted(probes)
     assert cache.lookup(str(tmp_path), {"n": 2}) is None
+    for other in (None, {"n": 1}, {cache.VEC_ISA_RECORD: "x.so"}, {cache.VEC_ISA_RECORD: [1]}):
+        assert cache.recorded_probes(other) == []
     with open(os.path.join(entry, cache.KEY_FILE), "w") as f:
         f.write("{truncated")  # a key file cut short: not a complete entry
     assert cache.lookup(str(tmp_path), {"n": 1}) is None
 
 
-@pytest.mark.skipif(not inductor.vec_isa_probe(), reason="inductor probes no x86 vector ISA here")
-def test_the_vec_isa_probe_is_trusted_only_when_everything_passed_on_these_flags(monkeypatch):
-    import torch
+def test_vec_isa_probes_pass_known_libraries_and_record_only_real_passes(monkeypatch):
+    from torch._inductor import cpu_vec_isa
 
-    probe = inductor.vec_isa_probe()
-    everything = {"candidates": probe["candidates"], "valid": probe["candidates"]}
-    assert inductor.vec_isa_trusted(everything)
-    # One ISA failed its probe then: probe again.
-    assert not inductor.vec_isa_trusted(everything | {"valid": probe["candidates"][1:]})
-    # Other CPU flags now than when the entry was built (the key pins the CPU; still checked).
-    assert not inductor.vec_isa_trusted(everything | {"candidates": ["avx2"], "valid": ["avx2"]})
-    for recorded in (None, {}, "avx2", {"candidates": [], "valid": []}):
-        assert not inductor.vec_isa_trusted(recorded)
-    # The user's TORCHINDUCTOR_VEC_ISA_OK decides over a record, and is never recorded.
-    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", False)
-    assert not inductor.vec_isa_trusted(everything)
-    assert inductor.vec_isa_probe() is None
-    with inductor.compile_settings(False, trust_vec_isa=True):
-        assert torch._inductor.config.cpp.vec_isa_ok is True
-    assert torch._inductor.config.cpp.vec_isa_ok is False
+    loaded = []
+
+    def dlopen_in_a_child(self, path):  # inductor's probe, faked: only "good" libraries load
+        loaded.append(path)
+        return "good" in path
+
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "_probe_load", dlopen_in_a_child)
+    isa = cpu_vec_isa.VecAVX2()
+    with inductor.vec_isa_probes(["known.so"]) as passed:
+        assert isa._probe_load("known.so")  # loaded in an earlier probe: no child
+        assert isa._probe_load("good.so") and not isa._probe_load("bad.so")
+    assert loaded == ["good.so", "bad.so"] and passed == ["good.so"]
+    assert cpu_vec_isa.VecISA._probe_load is dlopen_in_a_child  # restored
+    assert not isa._probe_load("known.so")  # outside the block, probed as always
 
 
 def test_cpu_target_is_the_exact_march_expansion():

@@ -5,7 +5,7 @@ Layout: `<cache_dir>/<key>/graphs/<forward>-<graph>.bin` is one compiled graph o
 shape (`CompiledForward`: Dynamo's bytecode and the inductor graph, loaded without tracing),
 `<cache_dir>/<key>/inductor/` the inductor cache the graphs were built in (their compiled C++
 kernels), and `<cache_dir>/<key>/key.json` holds the readable parts of the key (plus the
-inductor vector-ISA probe result of the build, `VEC_ISA_RECORD`), written once every graph is
+vector-ISA probes that passed in the build, `VEC_ISA_RECORD`), written once every graph is
 saved. The key covers everything the
 graphs depend on: model config, the rewritten model's structure (module types, tensor names,
 shapes and dtypes), dtype, weight quantization, token-bucket ladder, block size,
@@ -152,15 +152,23 @@ def lookup(cache_dir: str, parts: dict[str, Any]) -> dict[str, Any] | None:
 COMPILE_CACHE_MAX_BYTES = 2 << 30
 
 
-# What `mark_complete` records with an entry besides its key: inductor's vector-ISA probe
-# result of the process that built it (`ember.compiler.inductor.vec_isa_probe`).
-VEC_ISA_RECORD = "recorded_inductor_vec_isa"
+# What `mark_complete` records with an entry besides its key: the vector-ISA test libraries
+# (in the entry's inductor dir) that loaded in the probes of the process that built it
+# (`ember.compiler.inductor.vec_isa_probes`).
+VEC_ISA_RECORD = "recorded_vec_isa_probes"
+
+
+def recorded_probes(record: dict[str, Any] | None) -> list[str]:
+    """The vector-ISA probes an entry's record (`lookup`) holds (none for a miss, an entry
+    written without them, or a record not in this form)."""
+    probes = record.get(VEC_ISA_RECORD) if record is not None else None
+    return [p for p in probes if isinstance(p, str)] if isinstance(probes, list) else []
 
 
 def mark_complete(
-    cache_dir: str, parts: dict[str, Any], vec_isa: dict[str, list[str]] | None = None
+    cache_dir: str, parts: dict[str, Any], vec_isa_probes: list[str] | None = None
 ) -> str:
-    """Mark the entry of `parts` complete (every graph saved), recording `vec_isa` (see
+    """Mark the entry of `parts` complete (every graph saved), recording `vec_isa_probes` (see
     `VEC_ISA_RECORD`) with its key. In the default cache dir, the
     least recently used entries then go while it holds over `COMPILE_CACHE_MAX_BYTES`: its
     key changes with ember's and torch's versions, so entries only a past version could load
@@ -168,8 +176,8 @@ def mark_complete(
     entry = entry_dir(cache_dir, parts)
     os.makedirs(entry, exist_ok=True)
     record = dict(parts)
-    if vec_isa is not None:
-        record[VEC_ISA_RECORD] = vec_isa
+    if vec_isa_probes:
+        record[VEC_ISA_RECORD] = sorted(vec_isa_probes)
     with open(os.path.join(entry, KEY_FILE), "w") as f:
         json.dump(record, f, indent=1, sort_keys=True)
     if _is_default(cache_dir):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -52,61 +52,48 @@ def _hashable(value: Any) -> Any:
     return value
 
 
-def _vec_isa_candidates() -> list[str]:
-    """The vector ISAs inductor considers on this CPU: those its flags name, best first (what
-    inductor's `valid_vec_isa_list` probes). Reads torch internals (torch is pinned)."""
-    from torch._inductor import cpu_vec_isa
+@contextlib.contextmanager
+def vec_isa_probes(known: Iterable[str] = ()) -> Iterator[list[str]]:
+    """Inductor's dlopen probe of its vector-ISA test libraries, remembered: within this block
+    a library at a path in `known` (one that loaded in an earlier probe on this machine)
+    passes without a probe, and the paths of libraries that pass a real probe are appended
+    to the list this yields.
 
-    flags = cpu_vec_isa.x86_isa_checker()
-    return [
-        str(isa)
-        for isa in cpu_vec_isa.supported_vec_isa_list
-        if all(flag in flags for flag in str(isa).split())
-    ]
-
-
-def vec_isa_probe() -> dict[str, list[str]] | None:
-    """What inductor's C++ vector-ISA probe found in this process: the ISAs this CPU's flags
-    name (`candidates`) and those that passed the probe (`valid`); None off x86 or where
-    torch's internals are not the ones this reads.
-
-    The probe builds a test kernel per ISA and loads it in a child Python, once per process:
-    on AMD EPYC (Zen 4, 2 cores) ~1 s of a 3.2-3.4 s warm start of llama-160m, every start.
-    The compile cache records the result with an entry (`ember.compiler.cache.mark_complete`)
-    so that a warm start of that entry, whose key pins the exact CPU target and torch, can
-    skip it (`compile_settings(trust_vec_isa=True)`). None too where the probe did not run
-    (the user's TORCHINDUCTOR_VEC_ISA_OK decided)."""
-    if torch._inductor.config.cpp.vec_isa_ok is not None:
-        return None
+    Inductor checks every vector ISA the CPU's flags name (and AVX512-BF16, VNNI and AMX on
+    top) once per process: it builds a test library per check (kept in its cache dir) and
+    loads it in a child Python, ~0.2 s a child. Measured on AMD EPYC (Zen 4, 2 cores): ~1 s
+    of a 3.2-3.4 s warm start of llama-160m, every start. The compile cache records the
+    libraries that passed with an entry (`ember.compiler.cache.mark_complete`); they sit in
+    the entry's own inductor dir, whose key pins the exact CPU target and torch, so a warm
+    start of that entry loads nothing it has not loaded before. Reads inductor internals
+    (torch is pinned): where they differ, probes run as always and nothing is recorded."""
+    passed: list[str] = []
     try:
-        from torch._inductor import cpu_vec_isa
+        from torch._inductor.cpu_vec_isa import VecISA
 
-        candidates = _vec_isa_candidates()
-        valid = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
-    except Exception:  # noqa: BLE001 - torch's internals changed: no record, no skip
-        return None
-    return {"candidates": candidates, "valid": valid} if candidates else None
+        original = VecISA._probe_load
+    except (ImportError, AttributeError):
+        yield passed
+        return
+    trusted = set(known)
 
+    def probe(self: Any, output_path: str) -> bool:
+        if output_path in trusted:
+            return True
+        ok = original(self, output_path)
+        if ok:
+            passed.append(output_path)
+        return ok
 
-def vec_isa_trusted(recorded: Any) -> bool:
-    """Whether inductor may skip its vector-ISA probe (`cpp.vec_isa_ok`) given the probe
-    result `recorded` with a cache entry: every ISA this CPU's flags named passed it then, and
-    the flags name the same ISAs now. A TORCHINDUCTOR_VEC_ISA_OK of the user's own wins."""
-    if torch._inductor.config.cpp.vec_isa_ok is not None or not isinstance(recorded, dict):
-        return False
-    candidates = recorded.get("candidates")
-    if not candidates or recorded.get("valid") != candidates:
-        return False
+    VecISA._probe_load = probe
     try:
-        return _vec_isa_candidates() == candidates
-    except Exception:  # noqa: BLE001
-        return False
+        yield passed
+    finally:
+        VecISA._probe_load = original
 
 
 @contextlib.contextmanager
-def compile_settings(
-    freezing: bool, inductor_cache_dir: str | None = None, trust_vec_isa: bool = False
-) -> Iterator[None]:
+def compile_settings(freezing: bool, inductor_cache_dir: str | None = None) -> Iterator[None]:
     """Settings in force while graphs are compiled (warm-up), never set at import.
 
     - automatic dynamic shapes off: only the dims the runner marks are dynamic, so a static
@@ -122,11 +109,6 @@ def compile_settings(
     - `DedupePureOps`: one call per pure op and arguments (the fused q/k/v and gate/up GEMVs).
     - `inductor_cache_dir`: where inductor keeps FX graphs and built C++ kernels while this
       context is open (torch reads it from the environment on every lookup); restored after.
-    - `trust_vec_isa`: inductor's vector-ISA probe is skipped (`cpp.vec_isa_ok`), for a
-      cache entry whose recorded probe passed every ISA (`vec_isa_trusted`). Inductor picks
-      the same ISA either way, so the entry's kernels still match. Warm start to a ready
-      engine, AMD EPYC (Zen 4, 2 cores), processes alternated: llama-160m Q4_0 GGUF
-      2.95 / 3.62 / 3.67 / 3.53 s probing, 2.08 / 2.61 / 2.51 / 2.30 trusting the record.
     """
     previous = os.environ.get(_CACHE_ENV)
     if inductor_cache_dir is not None:
@@ -144,7 +126,6 @@ def compile_settings(
                 alignment_asserts=False,
                 scalar_asserts=False,
                 post_grad_custom_pre_pass=DedupePureOps(),
-                **({"cpp.vec_isa_ok": True} if trust_vec_isa else {}),
             ),
         ):
             yield

@@ -19,7 +19,7 @@ from ember.attention import get_backend
 from ember.attention.metadata import NULL_BLOCK
 from ember.compiler import cache
 from ember.compiler.capture import CompiledForward, Forward, build_forwards
-from ember.compiler.inductor import compile_settings, vec_isa_probe, vec_isa_trusted
+from ember.compiler.inductor import compile_settings, vec_isa_probes
 from ember.compiler.loader import LoadedModel
 from ember.host import private_dir, zeroed_lazily
 from ember.lora.manager import LoRAManager
@@ -324,9 +324,11 @@ class ModelRunner:
         record = cache.lookup(cache_dir, parts) if cache_dir is not None else None
         hit = record is not None
         inductor_dir = cache.inductor_dir(cache_dir, parts) if cache_dir is not None else None
-        trust = hit and vec_isa_trusted(record.get(cache.VEC_ISA_RECORD))
         bs = self.config.block_size
-        with compile_settings(self.config.freeze_weights, inductor_dir, trust_vec_isa=trust):
+        with (
+            compile_settings(self.config.freeze_weights, inductor_dir),
+            vec_isa_probes(cache.recorded_probes(record)) as probed,
+        ):
             for num_tokens in tqdm(
                 self.graph_sizes,
                 desc="Loading graphs" if hit else "Compiling graphs",
@@ -359,5 +361,5 @@ class ModelRunner:
                     forward.prepare(self._args(batch), path)
                     self._run(batch, forward)
         if cache_dir is not None and not hit:
-            cache.mark_complete(cache_dir, parts, vec_isa_probe())
+            cache.mark_complete(cache_dir, parts, probed)
         return hit
