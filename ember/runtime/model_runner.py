@@ -18,7 +18,14 @@ from tqdm.auto import tqdm
 from ember.attention import get_backend
 from ember.attention.metadata import NULL_BLOCK
 from ember.compiler import cache
-from ember.compiler.capture import CompiledForward, Forward, build_forwards
+from ember.compiler.capture import (
+    CompiledForward,
+    Forward,
+    GraphJob,
+    build_forwards,
+    compile_workers,
+    prepare_graphs,
+)
 from ember.compiler.inductor import compile_settings, vec_isa_probes
 from ember.compiler.loader import LoadedModel
 from ember.host import private_dir, zeroed_lazily
@@ -325,28 +332,17 @@ class ModelRunner:
         hit = record is not None
         inductor_dir = cache.inductor_dir(cache_dir, parts) if cache_dir is not None else None
         bs = self.config.block_size
-        with (
-            compile_settings(self.config.freeze_weights, inductor_dir),
-            vec_isa_probes(cache.recorded_probes(record)) as probed,
-        ):
-            for num_tokens in tqdm(
-                self.graph_sizes,
-                desc="Loading graphs" if hit else "Compiling graphs",
-                unit="graph",
-                disable=not show_progress,
-                dynamic_ncols=True,
-            ):
-                for name, forward in compiled:
-                    if name == "vision":
-                        if num_tokens != self.graph_sizes[0]:
-                            continue  # one graph (one image), compiled once
-                        path = None
-                        if cache_dir is not None:
-                            path = cache.graph_file(cache_dir, parts, "vision-static")
-                        args = self._vision_args(*self._warmup_image())
-                        forward.prepare(args, path)
-                        forward(*args)
-                        continue
+        jobs: list[GraphJob] = []
+        runs: list[Any] = []  # per job, the dummy step that runs its graph once
+        for num_tokens in self.graph_sizes:
+            for name, forward in compiled:
+                if name == "vision":
+                    if num_tokens != self.graph_sizes[0]:
+                        continue  # one graph (one image), compiled once
+                    key = "static"
+                    args = self._vision_args(*self._warmup_image())
+                    runs.append(lambda forward=forward, args=args: forward(*args))
+                else:
                     if name == "encoder":  # encoder inputs within the encoder's positions
                         plan = warmup_plan(num_tokens, self.loaded.spec.max_positions, bs)
                         batch = self._batch(plan, forward, self.max_cross_blocks, cross=False)
@@ -355,11 +351,29 @@ class ModelRunner:
                         plan = warmup_plan(num_tokens, chunk, bs, cross=self.max_cross_blocks > 0)
                         batch = self._batch(plan, forward, self.config.max_blocks_per_seq)
                     key = forward.key(batch.input_ids.shape[0])
-                    path = None
-                    if cache_dir is not None:
-                        path = cache.graph_file(cache_dir, parts, f"{name}-{key}")
-                    forward.prepare(self._args(batch), path)
-                    self._run(batch, forward)
+                    args = self._args(batch)
+                    runs.append(lambda forward=forward, batch=batch: self._run(batch, forward))
+                path = None
+                if cache_dir is not None:
+                    path = cache.graph_file(cache_dir, parts, f"{name}-{key}")
+                jobs.append(GraphJob(forward, args, path))
+        with (
+            compile_settings(self.config.freeze_weights, inductor_dir),
+            vec_isa_probes(cache.recorded_probes(record)) as probed,
+        ):
+            with tqdm(
+                total=len(jobs),
+                desc="Loading graphs" if hit else "Compiling graphs",
+                unit="graph",
+                disable=not show_progress,
+                dynamic_ncols=True,
+            ) as bar:
+
+                def ready(job: GraphJob) -> None:
+                    runs[jobs.index(job)]()
+                    bar.update()
+
+                prepare_graphs(jobs, compile_workers(jobs), ready)
         if cache_dir is not None and not hit:
             cache.mark_complete(cache_dir, parts, probed)
         return hit

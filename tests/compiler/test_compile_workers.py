@@ -1,0 +1,187 @@
+"""Graphs compiled at once by forked compile workers (`capture.prepare_graphs`), with a fake
+forward standing in for `CompiledForward` (the real compiles are in the engine tests, which
+run them on every machine with 2 cores or more)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+
+from ember.compiler import capture
+from ember.compiler.capture import GraphJob, compile_workers, prepare_graphs
+
+
+class FakeForward:
+    """Records which process prepared, compiled and adopted which graph; a worker's
+    `compile_to` writes its pid and the job's args into the graph file."""
+
+    freezing = False
+
+    def __init__(self, worker: str = "ok") -> None:
+        self.worker = worker  # "ok", "fail" or "hang"
+        self.log: list[tuple[str, int, object]] = []
+
+    def prepare(self, args: tuple, path: str | None) -> None:
+        if path is not None and os.path.isfile(path):
+            with open(path) as f:
+                self.log.append(("load", os.getpid(), f.read()))
+            return
+        self.log.append(("compile", os.getpid(), args))
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(f"{os.getpid()} {args}")
+
+    def compile_to(self, args: tuple, path: str) -> None:
+        if self.worker == "fail":
+            raise RuntimeError("compile failed in the worker")
+        if self.worker == "hang":
+            time.sleep(600)
+        with open(capture._partial(path, os.getpid()), "w") as f:
+            f.write(f"{os.getpid()} {args}")
+        os.replace(capture._partial(path, os.getpid()), path)
+
+    def adopt(self, args: tuple, path: str) -> None:
+        with open(path) as f:
+            self.log.append(("adopt", os.getpid(), f.read()))
+
+
+def no_children_left() -> bool:
+    try:
+        os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+@pytest.fixture
+def scratch(tmp_path, monkeypatch):
+    """prepare_graphs' temporary dir, under tmp_path so a test can see it removed."""
+    made = []
+
+    def mkdtemp(prefix: str = "") -> str:
+        path = tmp_path / f"{prefix}{len(made)}"
+        path.mkdir()
+        made.append(path)
+        return str(path)
+
+    monkeypatch.setattr(capture.tempfile, "mkdtemp", mkdtemp)
+    return made
+
+
+def test_a_worker_compiles_its_share_and_this_process_loads_it(tmp_path, scratch):
+    forward = FakeForward()
+    cached = tmp_path / "cached.graph"
+    cached.write_text("from the cache")
+    jobs = [
+        GraphJob(forward, ("a",), None),
+        GraphJob(forward, ("b",), None),
+        GraphJob(forward, ("c",), str(tmp_path / "c.graph")),
+        GraphJob(forward, ("d",), str(cached)),
+    ]
+    readied = []
+    prepare_graphs(jobs, 2, readied.append)
+    me = os.getpid()
+    # To compile: a, b, c; this process takes a and c, the worker b (a temporary file).
+    assert sorted(readied, key=jobs.index) == jobs and len(readied) == 4
+    by_kind = {(kind, pid == me) for kind, pid, _ in forward.log}
+    assert by_kind == {("compile", True), ("load", True), ("adopt", True)}
+    adopted = [text for kind, _, text in forward.log if kind == "adopt"]
+    assert len(adopted) == 1 and adopted[0].endswith("('b',)")
+    assert int(adopted[0].split()[0]) != me  # compiled in another process
+    compiled = [args for kind, _, args in forward.log if kind == "compile"]
+    assert compiled == [("a",), ("c",)]
+    assert ("load", me, "from the cache") in forward.log
+    assert (tmp_path / "c.graph").read_text().startswith(f"{me} ")
+    assert not scratch[0].exists()  # the temporary graph files are gone
+    assert no_children_left()
+
+
+def test_one_worker_prepares_every_graph_here_in_order(tmp_path, scratch):
+    forward = FakeForward()
+    jobs = [GraphJob(forward, (i,), str(tmp_path / f"g{i}.graph")) for i in range(3)]
+    readied = []
+    prepare_graphs(jobs, 1, readied.append)
+    assert readied == jobs
+    assert forward.log == [("compile", os.getpid(), (i,)) for i in range(3)]
+    assert not scratch  # no temporary dir
+
+
+def test_a_worker_writes_into_the_cache_file_itself(tmp_path, scratch):
+    forward = FakeForward()
+    paths = [str(tmp_path / f"g{i}.graph") for i in range(2)]
+    prepare_graphs([GraphJob(forward, (i,), p) for i, p in enumerate(paths)], 2)
+    worker_pid = int(open(paths[1]).read().split()[0])
+    assert worker_pid != os.getpid()
+    assert sorted(os.listdir(tmp_path)) == ["g0.graph", "g1.graph"]  # scratch dir removed
+    assert no_children_left()
+
+
+def test_a_failed_worker_leaves_its_graphs_to_this_process(caplog, scratch):
+    forward = FakeForward(worker="fail")
+    jobs = [GraphJob(forward, (i,), None) for i in range(3)]
+    readied = []
+    with caplog.at_level(logging.WARNING, logger="ember"):
+        prepare_graphs(jobs, 3, readied.append)
+    assert sorted(readied, key=jobs.index) == jobs
+    assert [args for kind, _, args in forward.log] == [(0,), (1,), (2,)]
+    assert {kind for kind, _, _ in forward.log} == {"compile"}
+    assert sum("failed (exit code 1)" in r.message for r in caplog.records) == 2
+    assert no_children_left()
+
+
+def test_a_stuck_worker_is_stopped_and_its_graph_compiled_here(
+    tmp_path, caplog, monkeypatch, scratch
+):
+    monkeypatch.setattr(capture, "WORKER_GRACE_S", 0.5)
+    forward = FakeForward(worker="hang")
+    jobs = [GraphJob(forward, (i,), str(tmp_path / f"g{i}.graph")) for i in range(2)]
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="ember"):
+        prepare_graphs(jobs, 2)
+    assert time.monotonic() - start < 30
+    assert [kind for kind, _, _ in forward.log] == ["compile", "compile"]
+    assert any("was stuck" in r.message for r in caplog.records)
+    assert sorted(os.listdir(tmp_path)) == ["g0.graph", "g1.graph"]  # no partial file left
+    assert no_children_left()
+
+
+def test_an_error_here_stops_the_workers(monkeypatch, scratch):
+    forward = FakeForward(worker="hang")
+
+    def broken(args: tuple, path: str | None) -> None:
+        raise RuntimeError("this process's compile failed")
+
+    monkeypatch.setattr(forward, "prepare", broken)
+    with pytest.raises(RuntimeError, match="this process's compile failed"):
+        prepare_graphs([GraphJob(forward, (i,), None) for i in range(2)], 2)
+    assert no_children_left()
+    assert not scratch[0].exists()
+
+
+def test_compile_workers_counts_graphs_to_compile_cores_and_the_override(tmp_path, monkeypatch):
+    monkeypatch.delenv("EMBER_COMPILE_WORKERS", raising=False)
+    monkeypatch.setattr(
+        capture.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False
+    )
+    cached = tmp_path / "cached.graph"
+    cached.write_text("")
+    forward = FakeForward()
+    jobs = [GraphJob(forward, (i,), None) for i in range(3)]
+    assert compile_workers(jobs) == 3
+    assert compile_workers(jobs + [GraphJob(forward, (9,), str(cached))]) == 3  # loaded here
+    assert compile_workers([GraphJob(forward, (i,), None) for i in range(9)]) == 4
+    monkeypatch.setattr(capture.os, "sched_getaffinity", lambda pid: {0})
+    assert compile_workers(jobs) == 1
+    monkeypatch.setattr(capture.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setenv("EMBER_COMPILE_WORKERS", "1")
+    assert compile_workers(jobs) == 1
+    monkeypatch.setenv("EMBER_COMPILE_WORKERS", "two")
+    with pytest.raises(ValueError, match="EMBER_COMPILE_WORKERS"):
+        compile_workers(jobs)
+    monkeypatch.delenv("EMBER_COMPILE_WORKERS", raising=False)
+    frozen = FakeForward()
+    frozen.freezing = True
+    assert compile_workers(jobs + [GraphJob(frozen, (5,), None)]) == 1
