@@ -128,4 +128,7 @@ def test_a_bf16_checkpoint_loads_adding_about_what_it_keeps(checkpoint_dir, quan
     path = checkpoint_dir("tiny-llama", dtype=torch.bfloat16, **shape)
     got = load_rss_mib(tiny, path, quantization)
     assert got["grown"] < kept * got["file"] + 24, got
-    assert got["peak"] < (kept + 0.3) * got["file"] + 24, got
+    # The peak's transient varies between fresh processes of the same load: measured on this
+    # 122 MB file (AMD EPYC, 2 cores), int4 78-112 MB over 17 runs (one OpenMP thread or two,
+    # transparent huge pages on or off alike), int8 115-124, the default dtype 145-147.
+    assert got["peak"] < (kept + 0.45) * got["file"] + 24, got
