@@ -259,7 +259,7 @@ def compile_workers(jobs: list[GraphJob]) -> int:
     the C++ builds of its kernels), `MAX_COMPILE_WORKERS`, and `EMBER_COMPILE_WORKERS` when
     set. Frozen graphs are not saved, so they compile here, one by one; so does everything
     off Linux, and in a process that has started CUDA (which a forked child cannot use)."""
-    todo = [j for j in jobs if j.path is None or not os.path.isfile(j.path)]
+    todo = _to_compile(jobs)
     if (
         not sys.platform.startswith("linux")
         or torch.cuda.is_initialized()
@@ -279,6 +279,11 @@ def compile_workers(jobs: list[GraphJob]) -> int:
     return max(1, min(len(todo), cores, limit))
 
 
+def _to_compile(jobs: list[GraphJob]) -> list[GraphJob]:
+    """The jobs whose graph has no cache file yet."""
+    return [j for j in jobs if j.path is None or not os.path.isfile(j.path)]
+
+
 def prepare_graphs(
     jobs: list[GraphJob],
     workers: int = 1,
@@ -294,7 +299,7 @@ def prepare_graphs(
     graphs to be compiled here. Measured cold starts of llama-160m (2 cores, two graphs, runs
     alternated): 50.5 / 46.0 / 43.2 / 50.8 s one after the other, 35.6 / 33.3 / 34.9 / 38.4 s
     at once (a compile alone keeps ~1.3 of the 2 cores busy)."""
-    todo = [j for j in jobs if j.path is None or not os.path.isfile(j.path)]
+    todo = _to_compile(jobs)
     workers = max(1, min(workers, len(todo)))
     if workers == 1:
         for job in jobs:
@@ -314,9 +319,10 @@ def prepare_graphs(
             if pid is not None:
                 running.add(pid)
             forked.append((pid, share))
+        delegated = set(todo) - set(todo[0::workers])
         start = time.monotonic()
         for job in jobs:
-            if job not in todo or todo.index(job) % workers == 0:
+            if job not in delegated:
                 job.forward.prepare(job.args, job.path)
                 ready(job)
         deadline = time.monotonic() + WORKER_GRACE_S + 4 * (time.monotonic() - start)

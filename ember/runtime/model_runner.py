@@ -8,6 +8,7 @@ of prefills and decodes; padding tokens write into the null block and are droppe
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from typing import Any
 
@@ -332,8 +333,7 @@ class ModelRunner:
         hit = record is not None
         inductor_dir = cache.inductor_dir(cache_dir, parts) if cache_dir is not None else None
         bs = self.config.block_size
-        jobs: list[GraphJob] = []
-        runs: list[Any] = []  # per job, the dummy step that runs its graph once
+        runs: dict[GraphJob, Any] = {}  # each job's dummy step, which runs its graph once
         for num_tokens in self.graph_sizes:
             for name, forward in compiled:
                 if name == "vision":
@@ -341,7 +341,7 @@ class ModelRunner:
                         continue  # one graph (one image), compiled once
                     key = "static"
                     args = self._vision_args(*self._warmup_image())
-                    runs.append(lambda forward=forward, args=args: forward(*args))
+                    run = functools.partial(forward, *args)
                 else:
                     if name == "encoder":  # encoder inputs within the encoder's positions
                         plan = warmup_plan(num_tokens, self.loaded.spec.max_positions, bs)
@@ -352,17 +352,17 @@ class ModelRunner:
                         batch = self._batch(plan, forward, self.config.max_blocks_per_seq)
                     key = forward.key(batch.input_ids.shape[0])
                     args = self._args(batch)
-                    runs.append(lambda forward=forward, batch=batch: self._run(batch, forward))
+                    run = functools.partial(self._run, batch, forward)
                 path = None
                 if cache_dir is not None:
                     path = cache.graph_file(cache_dir, parts, f"{name}-{key}")
-                jobs.append(GraphJob(forward, args, path))
+                runs[GraphJob(forward, args, path)] = run
         with (
             compile_settings(self.config.freeze_weights, inductor_dir),
             vec_isa_probes(cache.recorded_probes(record)) as probed,
         ):
             with tqdm(
-                total=len(jobs),
+                total=len(runs),
                 desc="Loading graphs" if hit else "Compiling graphs",
                 unit="graph",
                 disable=not show_progress,
@@ -370,9 +370,10 @@ class ModelRunner:
             ) as bar:
 
                 def ready(job: GraphJob) -> None:
-                    runs[jobs.index(job)]()
+                    runs[job]()
                     bar.update()
 
+                jobs = list(runs)
                 prepare_graphs(jobs, compile_workers(jobs), ready)
         if cache_dir is not None and not hit:
             cache.mark_complete(cache_dir, parts, probed)
