@@ -31,15 +31,10 @@ _CHILD = """
 import json, sys, time
 start = time.perf_counter()
 import torch
-from torch._inductor import cpu_vec_isa
 from ember import LLM
+from ember.tools.bench import count_vec_isa_probes
 imported = time.perf_counter()
-probes = []  # inductor's vector-ISA probes: a child Python loading a test library each
-probe_load = cpu_vec_isa.VecISA._probe_load
-def counted(self, path):
-    probes.append(path)
-    return probe_load(self, path)
-cpu_vec_isa.VecISA._probe_load = counted
+probes = count_vec_isa_probes()
 llm = LLM(model=sys.argv[1], compile_cache_dir=sys.argv[2], use_tqdm=False)
 print(json.dumps({"import_s": imported - start, "ready_s": time.perf_counter() - imported,
                   "hit": llm.llm_engine.compile_cache_hit, "isa_probes": len(probes)}))

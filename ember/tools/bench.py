@@ -184,6 +184,23 @@ def teacher_forced_ranks(model: Any, prompt: list[int], generated: list[int]) ->
     return (logits > chosen).sum(dim=1).tolist()
 
 
+def count_vec_isa_probes() -> list[str]:
+    """From now on in this process, every vector-ISA probe inductor runs (a child Python
+    loading a test library, ~0.2 s each; see `ember.compiler.inductor.vec_isa_probes`) appends
+    its library's path to the list returned: what a start-up measurement counts."""
+    from torch._inductor import cpu_vec_isa
+
+    probes: list[str] = []
+    probe_load = cpu_vec_isa.VecISA._probe_load
+
+    def counted(self: Any, path: str) -> bool:
+        probes.append(path)
+        return probe_load(self, path)
+
+    cpu_vec_isa.VecISA._probe_load = counted
+    return probes
+
+
 def measure_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """Read bandwidth of this machine: median time to sum a large fp32 tensor."""
     x = torch.ones(num_bytes // 4)

@@ -170,14 +170,9 @@ def test_compiled_long_random_workload_never_recompiles_and_matches_eager(checkp
 _CHILD = textwrap.dedent("""
     import json, sys
     from torch._dynamo.utils import counters
-    from torch._inductor import cpu_vec_isa
     from ember import LLM, SamplingParams
-    probes = []  # inductor's vector-ISA probes: a child Python loading a test library each
-    probe_load = cpu_vec_isa.VecISA._probe_load
-    def counted(self, path):
-        probes.append(path)
-        return probe_load(self, path)
-    cpu_vec_isa.VecISA._probe_load = counted
+    from ember.tools.bench import count_vec_isa_probes
+    probes = count_vec_isa_probes()
     llm = LLM(model=sys.argv[1], dtype="float32", kv_cache_gib=0.01, block_size=4,
               max_num_batched_tokens=8, max_model_len=64, compile_cache_dir=sys.argv[2],
               use_tqdm=False)
