@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from ember import kernels
 from ember.compiler.loader import LoadedModel, embed_with_positions
 
 Forward = Callable[..., Any]
@@ -185,6 +186,7 @@ class CompiledForward:
         self._save(self._compile(self.key(args[0].shape[0]), args), graph_file)
 
     def _compile(self, key: str, args: tuple[Any, ...]) -> Any:
+        kernels.install_fast_calls()
         if not self.static:
             _mark_step_dynamic(args, key == "dynamic", self.token_hint)
         compiler = torch.compile(
@@ -204,6 +206,7 @@ class CompiledForward:
                 os.remove(partial)
 
     def _load(self, path: str) -> Any:
+        kernels.install_fast_calls()
         with open(path, "rb") as f:
             return torch.compiler.load_compiled_function(f, external_data=self._external())
 
@@ -218,6 +221,7 @@ class CompiledForward:
         and dispatched by `torch.compile` itself, guards on the inputs included, never cached.
         Each capture gets its own code object, so two engines in one process never share
         graphs (Dynamo caches graphs per code object)."""
+        kernels.install_fast_calls()
         if self._dynamo is None:
             fresh = types.FunctionType(
                 self.forward.__code__.replace(),

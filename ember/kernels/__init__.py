@@ -62,14 +62,16 @@ private temporary directory) when another user could have written to it
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import logging
 import os
 import subprocess
+import sysconfig
 import tempfile
 import threading
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -229,10 +231,12 @@ def prebuild(isa: str | None = None) -> None:
 
 
 class _Build(NamedTuple):
-    """One build of the kernels: the library's path and the compiler command that writes it."""
+    """One build of the kernels: the library's path, the compiler command that writes it, and
+    whether it has the fast calls."""
 
     library: str
     command: list[str]
+    fast_calls: bool
 
 
 def _build(isa: str) -> _Build:
@@ -244,6 +248,11 @@ def _build_with(isa: str, cflags: tuple[str, ...]) -> _Build:
     """The build for `isa` with `cflags` and where it lives: one directory per source, flags,
     exact target, torch version and ATen CPU capability (memoized: a fallback build directory
     is a fresh one per call)."""
+    # The fast calls (`install_fast_calls`) need Python's headers, as inductor's kernels do.
+    python_include = sysconfig.get_paths()["include"]
+    fast = ["-DEMBER_FAST_CALLS", "-isystem", python_include]
+    if not os.path.exists(os.path.join(python_include, "Python.h")):
+        fast = []
     digest = hashlib.sha256()
     for path in SOURCES:
         with open(path, "rb") as f:
@@ -251,7 +260,13 @@ def _build_with(isa: str, cflags: tuple[str, ...]) -> _Build:
     # The exact target -march resolves to here, not only the coarse ISA: a home directory
     # shared across CPU generations never loads a library built for another CPU.
     target = cpu_target(next(f for f in cflags if f.startswith("-march=")))
-    for part in (*cflags, target, torch.__version__, torch.backends.cpu.get_cpu_capability()):
+    for part in (
+        *fast,
+        *cflags,
+        target,
+        torch.__version__,
+        torch.backends.cpu.get_cpu_capability(),
+    ):
         digest.update(part.encode())
     key = digest.hexdigest()[:16]
     build_dir = _build_dir(f"ember_cpu-{isa}-{target}-{key}")
@@ -266,13 +281,15 @@ def _build_with(isa: str, cflags: tuple[str, ...]) -> _Build:
         include,
         "-isystem",
         os.path.join(include, "torch", "csrc", "api", "include"),
+        *fast,
         *cflags,
         *SOURCES,
         "-L" + os.path.join(os.path.dirname(torch.__file__), "lib"),
         "-lc10",
         "-ltorch_cpu",
+        *(["-ltorch_python"] if fast else []),
     ]
-    return _Build(os.path.join(build_dir, f"ember_cpu_{key}.so"), command)
+    return _Build(os.path.join(build_dir, f"ember_cpu_{key}.so"), command, bool(fast))
 
 
 # Compilers in flight (`prebuild` starts one before its thread runs): library path -> the
@@ -324,6 +341,68 @@ def _build_and_load(isa: str) -> None:
     except RuntimeError:
         _bf16_pairs = False
     _register_fakes()
+    global _fast_calls
+    _fast_calls = _load_fast_calls(build)
+
+
+# The ops a compiled graph calls once per layer (or more); see `install_fast_calls`.
+FAST_OPS = ("group_linear", "packed_linear", "bf16_linear", "fp32_linear", "paged_attention")
+# {op: the callable compiled graphs call for it}: the build's fast call, else the Python op.
+_fast_calls: dict[str, Any] = {}
+
+
+def _load_fast_calls(build: _Build) -> dict[str, Any]:
+    ops = {name: getattr(torch.ops.ember_cpu, name).default for name in FAST_OPS}
+    if not build.fast_calls:
+        return ops
+    entry = ctypes.PyDLL(build.library).ember_cpu_fast_calls
+    entry.restype = ctypes.py_object
+    entry.argtypes = [ctypes.py_object]
+    calls = entry({f"ember_cpu::{name}": op for name, op in ops.items()})
+    probe = torch.zeros(1)
+    if calls["tensor_impl"](probe) != probe._cdata:  # not the Python tensor layout it reads
+        logger.warning("ember's fast kernel calls do not match this torch; using its op calls")
+        return ops
+    return {name: calls[f"ember_cpu::{name}"] for name in FAST_OPS}
+
+
+def install_fast_calls() -> None:
+    """Have inductor's generated code call `FAST_OPS` through the build's fast calls.
+
+    A compiled graph's wrapper code (Python) calls each op as `torch.ops.ember_cpu.<op>
+    .default(...)`: about 3.5 us of Python op machinery per call (arguments boxed against the
+    schema, the GIL dropped, unboxed again), as much as a batch-1 decode's kernel itself, and
+    60 such calls per step in a 12-layer model. The fast calls (`ember_cpu_fast_calls` in
+    csrc/ember_cpu.cpp) are Python builtins that read the arguments straight from the Python
+    objects and call the same op through the dispatcher's unboxed path (profiling and dispatch
+    modes kept); any argument they do not read (a tensor subclass, a SymInt) goes to the op.
+    Generated code names them `extern_kernels.ember_cpu_<op>` (inductor's namespace for
+    extern kernels, imported by every wrapper), which is bound to the Python op itself when the
+    build has no fast calls, so a cached graph runs either way. Needs the kernels loaded (a
+    no-op before); idempotent. Reads inductor internals (torch is pinned): where they differ,
+    graphs keep the op calls.
+    """
+    if not _fast_calls:
+        return
+    try:
+        from torch._inductor.codegen.custom_extern_kernel_codegen import (
+            CUSTOM_EXTERN_KERNEL_CODEGEN,
+            CustomCodegen,
+        )
+        from torch._inductor.select_algorithm import extern_kernels
+    except ImportError:
+        return
+    for name, call in _fast_calls.items():
+        setattr(extern_kernels, f"ember_cpu_{name}", call)
+        CUSTOM_EXTERN_KERNEL_CODEGEN[f"torch.ops.ember_cpu.{name}.default"] = CustomCodegen(
+            python=functools.partial(_fast_call_line, f"extern_kernels.ember_cpu_{name}")
+        )
+
+
+def _fast_call_line(kernel: str, node: Any, writeline: Any) -> None:
+    """The wrapper line of one op's call (what inductor writes for an op's fallback kernel)."""
+    args = ", ".join([*node.codegen_args(), *node.codegen_kwargs()])
+    writeline(f"{node.get_name()} = {kernel}({args})")
 
 
 def _build_dir(name: str) -> str:

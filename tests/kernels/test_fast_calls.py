@@ -1,0 +1,156 @@
+"""The fast calls (`ember.kernels.install_fast_calls`): each is its op, called without Python's
+op machinery; compiled graphs call them; arguments they do not read go to the op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler")
+
+
+def _fast(name: str):
+    call = kernels._fast_calls[name]
+    if call is getattr(torch.ops.ember_cpu, name).default:
+        pytest.skip("this build has no fast calls (no Python headers)")
+    return call
+
+
+def _group_args(rows: int = 3, n: int = 45, k: int = 64, bias: bool = True):
+    from ember.compiler.quant import GroupLinear, quantize_groups
+
+    g = torch.Generator().manual_seed(rows * 100 + n)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    linear = GroupLinear.from_row_chunks(n, 4, [quantize_groups(w, 4, False)], b)
+    x = torch.randn(2, rows, k, generator=g)
+    return x, linear.codes, linear.scales, linear.mins, linear.bias, n, 4
+
+
+def _linear_cases():
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(5, 67, generator=g), torch.randn(45, 67, generator=g), None
+    packed = torch.ops.ember_cpu.pack_linear_weight(w.bfloat16())
+    return {
+        "group_linear": _group_args(),
+        "packed_linear": (x, packed, None, torch.randn(45, generator=g), 45),
+        "bf16_linear": (x, w.bfloat16(), b),
+        "fp32_linear": (x.view(1, 5, 67), w, torch.randn(45, generator=g)),
+    }
+
+
+@pytest.mark.parametrize("name", ["group_linear", "packed_linear", "bf16_linear", "fp32_linear"])
+def test_fast_linear_calls_equal_their_ops(name):
+    args = _linear_cases()[name]
+    want = getattr(torch.ops.ember_cpu, name).default(*args)
+    got = _fast(name)(*args)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+def test_fast_attention_call_equals_its_op(softcap):
+    """Decodes, a prefill chunk (the C++ kernel hands it to the Python op
+    `ember::paged_attention_rest`, taking the GIL the fast call dropped) and soft-capping
+    (the whole call goes to the Python op)."""
+    from benchmarks.attention_cases import make_case
+    from ember.attention import torch_cpu  # noqa: F401  (registers ember::paged_attention_rest)
+
+    args, _ = make_case([(30, 1), (0, 20), (70, 1)], seed=5)
+    cache = args[3]
+    args = (*args[:3], cache.clone(), *args[4:9], 0, softcap, True)
+    want = torch.ops.ember_cpu.paged_attention.default(*args)
+    want_cache = args[3].clone()
+    args[3].copy_(cache)
+    got = _fast("paged_attention")(*args)
+    assert torch.equal(got, want)
+    assert torch.equal(args[3], want_cache)  # the step's K/V written in place, as by the op
+
+
+def test_fast_calls_raise_what_the_ops_raise():
+    x, codes, scales, mins, bias, n, _ = _group_args()
+    fast = _fast("group_linear")
+    with pytest.raises(RuntimeError, match="bits must be 4, 6 or 8, got 5"):
+        fast(x, codes, scales, mins, bias, n, 5)
+    with pytest.raises(RuntimeError, match="x has 63 features"):
+        fast(x[..., :63].contiguous(), codes, scales, mins, bias, n, 4)
+    with pytest.raises(OverflowError):
+        fast(x, codes, scales, mins, bias, 2**70, 4)
+    # Arguments it does not read go to the op, which raises its own error.
+    with pytest.raises(RuntimeError, match="missing value for argument 'bits'"):
+        fast(x, codes, scales, mins, bias, n)
+    with pytest.raises((RuntimeError, TypeError)):
+        fast(x, codes, scales, mins, bias, n, "4")
+
+
+def test_tensor_subclasses_go_to_the_op():
+    """A tensor subclass may override torch functions: it never takes the direct path."""
+    calls = []
+
+    class Traced(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            calls.append(func)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    args = _group_args()
+    want = torch.ops.ember_cpu.group_linear.default(*args)
+    got = _fast("group_linear")(args[0].as_subclass(Traced), *args[1:])
+    assert calls and torch.equal(got.as_subclass(torch.Tensor), want)
+
+
+def test_fast_calls_release_the_gil():
+    """Another Python thread runs while a fast call's kernel does (as with ATen's ops). The
+    switch interval is raised so that this thread never hands the GIL over by itself: the
+    other thread can only run while the call has dropped it."""
+    import sys
+    import threading
+    import time
+
+    x, codes, scales, mins, bias, n, bits = _group_args(rows=64, n=4096, k=4096)
+    fast = _fast("group_linear")
+    ticks = 0
+    done = threading.Event()
+
+    def tick() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            time.sleep(0)
+
+    interval = sys.getswitchinterval()
+    thread = threading.Thread(target=tick)
+    sys.setswitchinterval(100.0)
+    try:
+        thread.start()
+        before = ticks
+        fast(x, codes, scales, mins, bias, n, bits)
+        during = ticks - before
+    finally:
+        sys.setswitchinterval(interval)
+        done.set()
+        thread.join()
+    assert during > 0
+
+
+def test_compiled_graphs_call_the_fast_calls():
+    """Inductor's wrapper code names the op's fast call, and the graph gives the op's result."""
+    from torch._inductor.utils import run_and_get_code
+
+    _fast("group_linear")
+    kernels.install_fast_calls()
+    x, codes, scales, mins, bias, n, bits = _group_args()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.ember_cpu.group_linear(x * 2, codes, scales, mins, bias, n, bits)
+        return torch.relu(y)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    got, codes_out = run_and_get_code(compiled, x)
+    wrapper = "\n".join(codes_out)
+    assert "extern_kernels.ember_cpu_group_linear(" in wrapper
+    assert "= torch.ops.ember_cpu.group_linear.default(" not in wrapper
+    assert torch.equal(got, step(x))
