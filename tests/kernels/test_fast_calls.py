@@ -154,3 +154,20 @@ def test_compiled_graphs_call_the_fast_calls():
     assert "extern_kernels.ember_cpu_group_linear(" in wrapper
     assert "= torch.ops.ember_cpu.group_linear.default(" not in wrapper
     assert torch.equal(got, step(x))
+
+
+def test_fast_calls_that_fail_to_load_leave_the_op_calls(monkeypatch, caplog):
+    """The fast calls are optional: a library without them (or that fails to hand them over)
+    keeps the kernels loaded and graphs calling the ops."""
+    build = kernels._build(kernels.loaded_isa())
+
+    def broken(path):
+        raise OSError("no such symbol")
+
+    monkeypatch.setattr(kernels.ctypes, "PyDLL", broken)
+    with caplog.at_level("WARNING", logger="ember"):
+        calls = kernels._load_fast_calls(build)
+    assert calls == {n: getattr(torch.ops.ember_cpu, n).default for n in kernels.FAST_OPS}
+    assert "fast kernel calls failed to load" in caplog.text
+    without = build._replace(fast_calls=False)
+    assert kernels._load_fast_calls(without) == calls
