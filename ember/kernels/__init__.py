@@ -236,7 +236,7 @@ class _Build(NamedTuple):
 
     library: str
     command: list[str]
-    fast_calls: bool
+    fast_calls: bool = False
 
 
 def _build(isa: str) -> _Build:
