@@ -1,6 +1,7 @@
 """ember's own C++ CPU kernels (`csrc/ember_cpu.cpp`), built once per machine (one compiler
 command in a subprocess, linked against torch's libraries) and registered as aten-style ops
-(`torch.ops.ember_cpu.*`), so compiled graphs call them straight through the dispatcher.
+(`torch.ops.ember_cpu.*`), so compiled graphs call them straight through the dispatcher (the
+per-layer ones through the build's fast calls: `install_fast_calls`).
 
 `ember_cpu::paged_attention_cpu(out, query, key, value, cache, slot_mapping, query_start_loc,
 seq_lens, block_tables, scale, sliding_window, split_min_tokens) -> flags`: the torch attention

@@ -2357,15 +2357,15 @@ TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
 // `torch.ops.ember_cpu.<op>.default` (see `ember.kernels.install_fast_calls`). Python's op call
 // costs 1.5-2.3 us more per call (its arguments are converted to a boxed stack of IValues
 // against the schema, the GIL is dropped, the boxed kernel unboxes them again), about what a
-// decode-size kernel itself takes; a batch-1 step of a 12-layer model makes 60 such calls. Here
-// the arguments are
-// read straight from the Python objects: exact tensors, None, int, float and bool; any other
-// argument (a tensor subclass, a SymInt) goes to the Python op, `fallback`. The GIL is dropped
-// while the kernel runs, as for ATen's own ops.
+// decode-size kernel itself takes; a batch-1 step of a 12-layer model makes 60 such calls.
+// Here the arguments are read straight from the Python objects: exact tensors, None, int,
+// float and bool; any other argument (a tensor subclass, a SymInt) goes to the Python op,
+// `fallback`. The GIL is dropped while the kernel runs, as for ATen's own ops.
 //
 // torch_python's own header (`python_variable.h`) pulls in pybind11 and costs ~10 s of
-// compile, so the three symbols used are declared here; the layout of a Python tensor (an at::Tensor
-// after the object header) is checked at load by `tensor_impl` against `Tensor._cdata`.
+// compile, so the three symbols used are declared here; the layout of a Python tensor (an
+// at::Tensor after the object header) is checked at load by `tensor_impl` against
+// `Tensor._cdata`.
 extern PyObject* THPVariableClass;
 extern PyObject* ParameterClass;
 PyObject* THPVariable_Wrap(at::TensorBase&& var);
