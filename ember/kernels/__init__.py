@@ -385,9 +385,12 @@ def install_fast_calls() -> None:
     modes kept); any argument they do not read (a tensor subclass, a SymInt) goes to the op.
     Generated code names them `extern_kernels.ember_cpu_<op>` (inductor's namespace for
     extern kernels, imported by every wrapper), which is bound to the Python op itself when the
-    build has no fast calls, so a cached graph runs either way. Needs the kernels loaded (a
-    no-op before); idempotent. Reads inductor internals (torch is pinned): where they differ,
-    graphs keep the op calls.
+    build has no fast calls, so a cached graph runs either way. The hook is not part of
+    inductor's cache keys, so this also adds `FAST_CALLS_TAG` to torch's `cache_key_tag`: a
+    graph compiled with the fast calls is never served from torch's caches to a process that
+    has not installed them (where `extern_kernels` lacks their names). Needs the kernels loaded
+    (a no-op before); idempotent. Reads inductor internals (torch is pinned): where they
+    differ, graphs keep the op calls.
     """
     if not _fast_calls:
         return
@@ -404,6 +407,13 @@ def install_fast_calls() -> None:
         CUSTOM_EXTERN_KERNEL_CODEGEN[f"torch.ops.ember_cpu.{name}.default"] = CustomCodegen(
             python=functools.partial(_fast_call_line, f"extern_kernels.ember_cpu_{name}")
         )
+    tag = torch.compiler.config.cache_key_tag
+    if FAST_CALLS_TAG not in tag.split("|"):
+        torch.compiler.config.cache_key_tag = f"{tag}|{FAST_CALLS_TAG}" if tag else FAST_CALLS_TAG
+
+
+# In torch's cache keys of graphs compiled once `install_fast_calls` ran.
+FAST_CALLS_TAG = "ember-fast-calls-1"
 
 
 def _fast_call_line(kernel: str, node: Any, writeline: Any) -> None:

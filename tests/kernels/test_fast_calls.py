@@ -156,6 +156,52 @@ def test_compiled_graphs_call_the_fast_calls():
     assert torch.equal(got, step(x))
 
 
+_COMPILE_IN_CHILD = """
+import sys, torch
+from ember import kernels
+from torch._inductor.utils import run_and_get_code
+kernels.load()
+if sys.argv[1] == "1":
+    kernels.install_fast_calls()
+w = torch.ops.ember_cpu.pack_linear_weight(torch.ones(8, 16))
+
+def step(x):
+    return torch.relu(torch.ops.ember_cpu.packed_linear(x * 2, w, None, None, 8))
+
+x = torch.ones(3, 16)
+got, code = run_and_get_code(torch.compile(step, fullgraph=True, dynamic=False), x)
+assert torch.equal(got, step(x))
+print("fast" if "extern_kernels.ember_cpu_packed_linear(" in "\\n".join(code) else "op")
+"""
+
+
+def test_graphs_compiled_with_fast_calls_stay_out_of_other_processes_caches(tmp_path):
+    """Inductor's cache keys do not see the codegen hook: a graph compiled with the fast calls
+    and cached must not be loaded by a process that has not installed them (their names are
+    missing from its `extern_kernels`), and the other way round."""
+    import os
+    import subprocess
+    import sys
+
+    _fast("packed_linear")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+
+    def compile_in_child(fast: bool) -> str:
+        run = subprocess.run(
+            [sys.executable, "-c", _COMPILE_IN_CHILD, "1" if fast else "0"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        return run.stdout.split()[-1]
+
+    assert compile_in_child(True) == "fast"
+    assert compile_in_child(False) == "op"
+    assert compile_in_child(True) == "fast"
+
+
 def test_fast_calls_that_fail_to_load_leave_the_op_calls(monkeypatch, caplog):
     """The fast calls are optional: a library without them (or that fails to hand them over)
     keeps the kernels loaded and graphs calling the ops."""
