@@ -1794,6 +1794,21 @@ void write_slots(at::Tensor& cache, const at::Tensor& key, const at::Tensor& val
   }
 }
 
+// A prefill chunk's rows reordered so that every contiguous run of them holds about its share
+// of the work: at::parallel_for hands each thread one contiguous range, and a causal chunk's
+// rows in order put its short contexts on the first thread and its long ones on the last (a
+// 128-token prefill: 3x the positions on one of two threads). Alternately the shortest and the
+// longest rows left, so neighbours' costs sum to about the same; the rows stay with their
+// sequence's (whose K/V rows they share in cache).
+void balance_chunk(std::vector<QueryRow>& rows, size_t first, size_t last) {
+  std::vector<QueryRow> by_cost(rows.begin() + first, rows.begin() + last);
+  std::stable_sort(by_cost.begin(), by_cost.end(), [](const QueryRow& a, const QueryRow& b) {
+    return a.hi - a.lo < b.hi - b.lo;
+  });
+  size_t lo = 0, hi = by_cost.size();
+  for (size_t i = first; i < last; ++i) rows[i] = (i - first) % 2 ? by_cost[--hi] : by_cost[lo++];
+}
+
 // Prefill chunks of a step are attended here too (`chunks`) while their query rows' contexts
 // add up to at most this many positions; past it (long prompts, long prefixes) they are left
 // to the PyTorch code, whose SDPA reuses each K/V row across the query rows of a chunk.
@@ -1837,8 +1852,13 @@ int64_t attend_step(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
     }
   }
   if (!chunk_rows.empty() && chunk_positions <= kChunkRowsMaxPositions) {
+    const size_t first = rows.size();
     rows.insert(rows.end(), chunk_rows.begin(), chunk_rows.end());
     flags = 0;
+    for (size_t i = first, j = first; i < rows.size(); i = j) {  // one chunk at a time
+      while (j < rows.size() && rows[j].seq == rows[i].seq) ++j;
+      balance_chunk(rows, i, j);
+    }
   }
   if (rows.empty()) return flags;
   const at::Tensor q = query.to(at::kFloat).contiguous();
