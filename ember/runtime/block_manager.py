@@ -183,12 +183,18 @@ class BlockManager:
             self._req_hashes.pop(request_id, None)
 
     def reset_prefix_cache(self) -> None:
-        """Forget all cached hashes of free blocks (used blocks keep theirs)."""
+        """Forget all cached hashes of free blocks (used blocks keep theirs). Those blocks now
+        hold no cache entry, so they move to the front, as `free` puts such blocks: reused
+        before blocks never used (whose pages are faulted in on the step's path)."""
+        uncached = []
         for b in self._free:
             h = self._block_hash[b]
             if h is not None:
                 del self._cached[h]
                 self._block_hash[b] = None
+                uncached.append(b)
+        for b in reversed(uncached):
+            self._free.move_to_end(b, last=False)
 
     def assert_invariants(self) -> None:
         """Every block is either free (ref 0) or owned, ref counts match owners, hashes agree."""

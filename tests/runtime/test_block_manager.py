@@ -80,6 +80,19 @@ def test_block_manager_needs_two_blocks():
         BlockManager(num_blocks=1, block_size=4)
 
 
+def test_block_manager_reset_prefix_cache_reuses_the_blocks_it_uncaches_first():
+    """Blocks whose cache entries a reset drops are reused before never-used ones, as freed
+    uncached blocks are (a never-used block's pages are faulted in on the step's path)."""
+    bm = BlockManager(num_blocks=9, block_size=2)
+    bm.allocate("a", [1, 2, 3, 4, 5], 5)  # two full (cached) blocks and a partial one
+    used = set(bm.block_ids("a"))
+    bm.free("a")
+    bm.reset_prefix_cache()
+    assert bm.match_prefix("b", [1, 2, 3, 4, 5]) == []
+    assert set(bm.allocate("b", list(range(40, 46)), 6)) == used
+    bm.assert_invariants()
+
+
 def test_block_manager_reuses_uncached_blocks_first_and_evicts_cached_ones_last():
     bm = BlockManager(num_blocks=9, block_size=2)
     bm.allocate("a", [1, 2, 3, 4, 5], 5)  # two full (cached) blocks and a partial one
