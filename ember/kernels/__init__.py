@@ -348,6 +348,8 @@ def _build_and_load(isa: str) -> None:
 
 # The ops a compiled graph calls once per layer (or more); see `install_fast_calls`.
 FAST_OPS = ("group_linear", "packed_linear", "bf16_linear", "fp32_linear", "paged_attention")
+# In torch's cache keys of graphs compiled once `install_fast_calls` ran.
+FAST_CALLS_TAG = "ember-fast-calls-1"
 # {op: the callable compiled graphs call for it}: the build's fast call, else the Python op.
 _fast_calls: dict[str, Any] = {}
 
@@ -410,10 +412,6 @@ def install_fast_calls() -> None:
     tag = torch.compiler.config.cache_key_tag
     if FAST_CALLS_TAG not in tag.split("|"):
         torch.compiler.config.cache_key_tag = f"{tag}|{FAST_CALLS_TAG}" if tag else FAST_CALLS_TAG
-
-
-# In torch's cache keys of graphs compiled once `install_fast_calls` ran.
-FAST_CALLS_TAG = "ember-fast-calls-1"
 
 
 def _fast_call_line(kernel: str, node: Any, writeline: Any) -> None:
