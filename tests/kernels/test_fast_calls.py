@@ -120,15 +120,24 @@ def test_fast_calls_release_the_gil():
             ticks += 1
             time.sleep(0)
 
-    interval = sys.getswitchinterval()
+    # The kernel runs on one thread so that the ticking thread has a core to wake up on: with
+    # every core in the kernel, a fast machine can finish it before the scheduler runs the
+    # waiting thread, which then finds the GIL taken back. Calls are repeated for the same
+    # reason; a call that kept the GIL would leave `ticks` where it was however often it ran.
+    interval, threads = sys.getswitchinterval(), torch.get_num_threads()
     thread = threading.Thread(target=tick)
     sys.setswitchinterval(100.0)
+    torch.set_num_threads(1)
     try:
         thread.start()
         before = ticks
-        fast(x, codes, scales, mins, bias, n, bits)
+        for _ in range(20):
+            fast(x, codes, scales, mins, bias, n, bits)
+            if ticks > before:
+                break
         during = ticks - before
     finally:
+        torch.set_num_threads(threads)
         sys.setswitchinterval(interval)
         done.set()
         thread.join()
