@@ -19,8 +19,10 @@ loader dequantizes every tensor to fp32. Here each tensor is placed in the model
 - Q5_0 weights become 8-bit codes exactly; every other quantized type (Q5_K, Q5_1, IQ*) is
   dequantized tensor by tensor (the `gguf` package's numpy reference) and requantized to 8-bit
   groups of 32;
-- F32, F16 and BF16 tensors keep their type (F16 linears are packed as fp16 and widened
-  exactly); a quantized tensor that fits no group layout is dequantized to bf16.
+- F32, F16 and BF16 tensors keep their type: linears become `PackedLinear`s (F16 packed as fp16
+  and widened exactly), packed straight from the file's map, and a table tied to the LM head
+  becomes a `PackedEmbedding` over the packed head; a quantized tensor that fits no group
+  layout is dequantized to bf16.
 
 The model is built on the meta device, so nothing is allocated for a weight until its tensor is
 read, and the file's memory map is dropped after loading: the process holds about the file's
@@ -43,7 +45,7 @@ import tempfile
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -59,13 +61,23 @@ from ember.compiler.quant import (
     Blocks,
     GroupEmbedding,
     GroupLinear,
+    PackedEmbedding,
+    PackedLinear,
     Rows,
     gathers_rows,
     place_fused,
     quantize_groups,
     row_chunk,
 )
-from ember.host import HeapTrimmer, private_dir, prune_cache, touch, user_cache_dir, weight_arena
+from ember.host import (
+    HeapTrimmer,
+    private_dir,
+    prune_cache,
+    touch,
+    user_cache_dir,
+    weight_arena,
+    weight_zeros,
+)
 
 logger = logging.getLogger("ember")
 
@@ -747,20 +759,31 @@ def group_linear_from_values(
 
 
 def _dense(tensor: Any, qtype: str, data: np.ndarray) -> torch.Tensor:
-    """A tensor that is not kept quantized: F32/F16/BF16 as they are, anything else
-    dequantized to bf16. `data` is already row-processed (Q/K permutation)."""
-    shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the fastest dim first
-    if qtype == "F32":
-        return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
-    if qtype == "F16":
-        return torch.from_numpy(np.array(data, dtype=np.float16)).reshape(shape)
-    if qtype == "BF16":
-        bits = np.ascontiguousarray(data).view(np.uint16).copy()
-        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).reshape(shape)
+    """A tensor that is not kept quantized: F32/F16/BF16 as they are (a 2-D one in the load's
+    weight arena, see `weights_arena`), anything else dequantized to bf16. `data` is already
+    row-processed (Q/K permutation)."""
+    view = _dense_view(tensor, qtype, data)
+    if view is not None:
+        out = weight_zeros(tuple(view.shape), view.dtype) if view.dim() == 2 else None
+        return view.clone() if out is None else out.copy_(view)
     from gguf import dequantize
 
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the fastest dim first
     values = dequantize(np.ascontiguousarray(data), tensor.tensor_type)
     return torch.from_numpy(values).reshape(shape).to(torch.bfloat16)
+
+
+def _dense_view(tensor: Any, qtype: str, data: np.ndarray) -> torch.Tensor | None:
+    """An F32/F16/BF16 tensor's values as a tensor over `data` (the file's map, read-only:
+    for reading only), without a copy; None for other types."""
+    dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(qtype)
+    if dtype is None:
+        return None
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the fastest dim first
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        return torch.from_numpy(raw).view(dtype).reshape(shape)
 
 
 def _permute_rows(processor: Any, name: str, data: np.ndarray) -> np.ndarray:
@@ -779,9 +802,13 @@ def weights_arena(path: str) -> Iterator[None]:
     qwen2-0.5b Q4_0 loaded in 1.37 s instead of 1.55 (1.50 with the arena not faulted in
     ahead), peak RSS +384 MB instead of +402; llama-160m Q8_0 0.53 s instead of 0.56, +151
     MB instead of +163. Faulted in as 4 KiB pages and collapsed later: 0.93 s and 0.25 s."""
-    packed = 0
+    packed, panel = 0, kernels.panel_width()
     for tensor in _reader(path, light=True).tensors:
         qtype = tensor.tensor_type
+        if qtype.name in DENSE_TYPES and len(tensor.shape) == 2:  # packed, or a copied table
+            n, k = int(tensor.shape[1]), int(tensor.shape[0])
+            packed += -(-n // panel) * panel * k * tensor.n_bytes // (n * k)
+            continue
         if qtype.name in DENSE_TYPES or len(tensor.shape) != 2 or tensor.shape[0] % GROUP_SIZE:
             continue
         bits, _ = _converter(qtype)
@@ -825,6 +852,8 @@ def load_gguf_model(
         heap.freed(part.nbytes * 4)  # the chunk's temporaries: about 4 bytes a byte of it
 
     kept: dict[str, Any] = {}  # quantized weights, converted once every bias is in place
+    dense: dict[str, Any] = {}  # F32/F16/BF16 linear weights, packed likewise
+    tables: dict[str, Any] = {}  # F32/F16/BF16 tables, packed as a tied head or copied
     for tensor in reader.tensors:
         hf_name = names.get(tensor.name)
         if hf_name is None:
@@ -836,6 +865,13 @@ def load_gguf_model(
         if attr == "weight" and qtype not in DENSE_TYPES and _groups_fit(module):
             kept[module_name] = tensor
             continue
+        if attr == "weight" and qtype in DENSE_TYPES and len(tensor.shape) == 2:
+            if isinstance(module, nn.Linear):
+                dense[module_name] = tensor
+                continue
+            if gathers_rows(module):
+                tables[module_name] = tensor
+                continue
         data = _permute_rows(processor, tensor.name, tensor.data)
         _set_tensor(module, attr, _dense(tensor, qtype, data), hf_name)
         del data
@@ -867,6 +903,15 @@ def load_gguf_model(
             reader.drop_pages(t.data)
         del data
         place_fused(model.get_submodule(parent), names, [int(t.shape[1]) for t in group], fused)
+    for parent, names, group in _fusable_groups(dense):
+        biases = [bias_of(f"{parent}.{n}", t) for n, t in zip(names, group, strict=True)]
+        packed = _packed_linear(processor, group, biases, reader.drop_pages)
+        for name in names:
+            del dense[f"{parent}.{name}"]
+        place_fused(model.get_submodule(parent), names, [int(t.shape[1]) for t in group], packed)
+    for module_name, tensor in dense.items():
+        bias = bias_of(module_name, tensor)
+        _place(model, module_name, _packed_linear(processor, [tensor], [bias], reader.drop_pages))
     for module_name, tensor in kept.items():
         module = model.get_submodule(module_name)
         bias = bias_of(module_name, tensor)
@@ -881,7 +926,14 @@ def load_gguf_model(
             )
         else:
             _place(model, module_name, linear)
-    del reader, kept
+    for module_name, tensor in tables.items():  # after the head, which may be quantized
+        if not _pack_tied_table(model, module_name, processor, tensor, reader.drop_pages):
+            data = _permute_rows(processor, tensor.name, tensor.data)
+            table = _dense(tensor, tensor.tensor_type.name, data)
+            _set_tensor(model.get_submodule(module_name), "weight", table, f"{module_name}.weight")
+            del data
+            reader.drop_pages(tensor.data)
+    del reader, kept, dense, tables
     _tie_head(model, config)
     _materialize_buffers(model)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
@@ -913,6 +965,84 @@ def _fusable_groups(kept: dict[str, Any]) -> list[tuple[str, tuple[str, ...], li
                 continue
             groups.append((parent, names, tensors))
     return groups
+
+
+def _packed_linear(
+    processor: Any,
+    tensors: list[Any],
+    biases: list[torch.Tensor | None],
+    drop_pages: Callable[[np.ndarray], None],
+) -> PackedLinear:
+    """A `PackedLinear` of F32/F16/BF16 GGUF weights (side by side where there are several),
+    packed from the file's map (`processor`'s row permutation, Llama's Q/K, copies those two);
+    each tensor's file pages are dropped once it is packed."""
+    parts, orders = [], []
+    for tensor, bias in zip(tensors, biases, strict=True):
+        data, order = tensor.data, _row_order(processor, tensor.name, int(tensor.shape[1]))
+        if order is False:  # not a permutation: the processor's own copy
+            data, order = _permute_rows(processor, tensor.name, data), None
+        view = _dense_view(tensor, tensor.tensor_type.name, data)
+        assert view is not None
+        parts.append((view, bias))
+        orders.append(order)
+    packed = PackedLinear.from_weights(parts, orders)
+    del parts
+    for tensor in tensors:
+        drop_pages(tensor.data)
+    return packed
+
+
+def _row_order(processor: Any, name: str, rows: int) -> torch.Tensor | None | Literal[False]:
+    """What `processor` does to the rows of tensor `name`, found by processing a column of row
+    numbers: None where nothing, the rows' new order where it permutes them (Llama's Q/K:
+    packed rows are then gathered from the file a chunk at a time, instead of a permuted copy
+    of the whole weight), False where it does anything else."""
+    index = np.arange(rows, dtype=np.int64).reshape(rows, 1)
+    got = np.asarray(processor.process(weights=index, name=name).weights)
+    if got.shape != index.shape:
+        return False
+    got = got.reshape(rows)
+    if np.array_equal(got, index[:, 0]):
+        return None
+    if not np.array_equal(np.sort(got), index[:, 0]):
+        return False
+    return torch.from_numpy(got.copy())
+
+
+def _pack_tied_table(
+    model: nn.Module,
+    module_name: str,
+    processor: Any,
+    tensor: Any,
+    drop_pages: Callable[[np.ndarray], None],
+) -> bool:
+    """For a file without `output.weight`, whose LM head is the input table: the head packed
+    from the table's F32/F16/BF16 values in the file and the table made a `PackedEmbedding`
+    gathering rows of it (held once, as `use_kernel_linears_` does for a checkpoint's tied
+    head). False, with nothing changed, where the file has a head or `module_name` is not the
+    model's input embedding."""
+    head = getattr(model, "lm_head", None)
+    embed = model.get_input_embeddings()  # type: ignore[operator]
+    if (
+        not isinstance(head, nn.Linear)
+        or not head.weight.is_meta
+        or head.bias is not None
+        or embed is not model.get_submodule(module_name)
+    ):
+        return False
+    shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml lists the fastest dim first
+    if shape != tuple(head.weight.shape) or shape != tuple(embed.weight.shape):
+        raise UnsupportedModelError(
+            f"GGUF tensor for {module_name}.weight is {shape}, the config says "
+            f"{tuple(embed.weight.shape)}"
+        )
+    packed = _packed_linear(processor, [tensor], [None], drop_pages)
+    scale = getattr(embed, "scalar_embed_scale", None)
+    model.lm_head = packed
+    model.set_input_embeddings(  # type: ignore[operator]
+        PackedEmbedding(embed, packed, None if scale is None else float(scale))
+    )
+    return True
 
 
 def _groups_fit(module: nn.Module) -> bool:

@@ -77,6 +77,60 @@ class PackedLinear(nn.Module):
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
+    @classmethod
+    def from_weights(
+        cls,
+        parts: list[tuple[torch.Tensor, torch.Tensor | None]],
+        orders: list[torch.Tensor | None] | None = None,
+    ) -> PackedLinear:
+        """One `PackedLinear` (fp32 math) computing the weights of `parts` ((weight [n, K],
+        bias or None) of one dtype and K; each weight but the last fills whole panels) side by
+        side, each packed straight into its panels of one `weight_zeros` tensor: from a GGUF
+        file's map into the load's weight arena, with no copy in between (the whole-weight
+        copy, then `fuse_projections_`' concatenation, then the packer's own output and
+        `move_to_huge_pages` each wrote the weight again). `orders[i]`, when given, lists the
+        rows of part i in the order they are packed (a row permutation, gathered a chunk at a
+        time)."""
+        panel = kernels.panel_width()
+        weights = [w for w, _ in parts]
+        k, dtype = weights[0].shape[1], weights[0].dtype
+        if any(w.shape[1] != k or w.dtype != dtype for w in weights):
+            raise ValueError("PackedLinear.from_weights: parts differ in dtype or input size")
+        if any(w.shape[0] % panel for w in weights[:-1]):
+            raise ValueError(
+                f"PackedLinear.from_weights: each part but the last needs a multiple of {panel}"
+                " rows"
+            )
+        n = sum(w.shape[0] for w in weights)
+        packed = weight_zeros((-(-n // panel), k, panel), dtype)
+        start = 0
+        with torch.no_grad():
+            for w, order in zip(weights, orders or [None] * len(weights), strict=True):
+                if order is None:
+                    _pack_panels_into(w, packed[start:])
+                else:
+                    step = row_chunk(k)
+                    for r in range(0, w.shape[0], step):
+                        rows = w.index_select(0, order[r : r + step])
+                        _pack_panels_into(rows, packed[start + r // panel :])
+                start += w.shape[0] // panel
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features, self.pairs = k, n, False
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", None)
+        biases = [b for _, b in parts]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat(
+                [
+                    b.detach().float() if b is not None else torch.zeros(w.shape[0])
+                    for w, b in zip(weights, biases, strict=True)
+                ]
+            )
+        self.register_buffer("bias", bias)
+        return self
+
     @property
     def weight(self) -> torch.Tensor:
         """HF code reads `proj.weight.dtype`/`.device`; the packed tensor answers both."""
@@ -301,6 +355,19 @@ def _row_panels(t: torch.Tensor) -> torch.Tensor:
     padded = t.new_zeros(-(-rows // panel) * panel, cols)
     padded[:rows] = t
     return padded.view(-1, panel, cols)
+
+
+def _pack_panels_into(w: torch.Tensor, out: torch.Tensor) -> None:
+    """Write w [n, K] into the first panels of `out` [P, K, panel] (zeros past n), as
+    `ember_cpu::pack_linear_weight` lays it out, without a temporary: whole panels as one
+    strided copy, then the rows of a last, partial one."""
+    n, k = w.shape
+    panel = out.shape[2]
+    full = n // panel
+    if full:
+        out[:full].copy_(w[: full * panel].view(full, panel, k).transpose(1, 2))
+    if n % panel:
+        out[full, :, : n % panel].copy_(w[full * panel :].t())
 
 
 def _panels(t: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,14 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from ember.compiler.quant import FusedSlice, GroupEmbedding, GroupLinear, _from_panels
+from ember.compiler.quant import (
+    FusedSlice,
+    GroupEmbedding,
+    GroupLinear,
+    PackedEmbedding,
+    PackedLinear,
+    _from_panels,
+)
 from ember.tools.bench import teacher_forced_ranks
 from ember.tools.gguf_writer import write_gguf
 from tests.conftest import group_quantized_x, huge_page_kib, load_rss_mib, make_prompts
@@ -74,7 +81,11 @@ def test_gguf_greedy_matches_hf_on_the_same_file(gguf_file, qtype, shape):
         q_proj = q_proj.fused
         if qtype in ("F16", "BF16", "F32"):
             packed = {"F16": torch.float16, "F32": torch.float32}.get(qtype, torch.bfloat16)
-            assert q_proj.weight.dtype == packed
+            assert isinstance(q_proj, PackedLinear) and q_proj.weight.dtype == packed
+            if shape == "tiny-qwen2":  # the tied table: rows of the head packed from the file
+                assert isinstance(model.lm_head, PackedLinear)
+                assert isinstance(model.model.embed_tokens, PackedEmbedding)
+                assert model.model.embed_tokens.packed is model.lm_head.packed
         else:  # Q4_0, Q4_1 as they are; Q8_0 and Q5_0 exactly, Q5_1 requantized: 8-bit codes
             assert isinstance(q_proj, GroupLinear)
             assert q_proj.bits == (4 if qtype in ("Q4_0", "Q4_1") else 8)
@@ -412,6 +423,26 @@ def test_the_kernels_pack_file_blocks_as_the_converters_do(qtype, monkeypatch):
         torch.ops.ember_cpu.group_pack_blocks(*args[:4], blocks[:, :-1].contiguous(), qtype)
 
 
+def test_row_orders_are_what_the_tensor_processors_do_to_rows():
+    """Llama's Q/K permutation as a gather order (GQA's K by its KV heads), nothing for other
+    tensors, and False for a processor that changes values (Gemma's norm offset)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+
+    from ember.compiler.gguf import _permute_rows, _row_order
+
+    config = {"num_attention_heads": 4, "num_key_value_heads": 2}
+    llama = TENSOR_PROCESSORS["llama"](config=config)
+    w = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+    for name, rows in (("blk.0.attn_q.weight", 64), ("blk.0.attn_k.weight", 32)):
+        order = _row_order(llama, name, rows)
+        assert order is not None and order is not False
+        want = _permute_rows(llama, name, w[:rows])
+        assert np.array_equal(w[:rows][order.numpy()], want)
+    assert _row_order(llama, "blk.0.attn_v.weight", 64) is None
+    gemma = TENSOR_PROCESSORS["gemma2"](config=config)
+    assert _row_order(gemma, "blk.0.attn_norm.weight", 8) is False
+
+
 def test_q4_k_becomes_4_bit_groups_with_offsets_within_fp16_rounding():
     """Q4_K from random blocks (two super-blocks a row): 4-bit codes with offsets, each value
     within the fp16 rounding of its group's scale d * sc and offset -dmin * m of the `gguf`
@@ -549,16 +580,21 @@ def test_bad_gguf_files_raise_value_errors_naming_the_problem(gguf_file, tmp_pat
         LLM(model=good, compile=False, dtype="bfloat16", **KW)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "F16"])
 def test_gguf_quantized_weights_are_packed_into_one_huge_page_arena(gguf_file, qtype):
+    """Every linear's packed weight, and the F16 file's (untied) table, in one arena."""
     from ember import LLM, SamplingParams
     from ember.compiler.quant import GroupLinear
     from ember.host import _in_huge_map, collapse_to_huge_pages, huge_pages_available
 
     llm = LLM(model=gguf_file("tiny-llama", qtype), compile=False, kv_cache_gib=0.05)
     model = llm.llm_engine.runner.model
-    packed = [t for m in model.modules() if isinstance(m, GroupLinear) for t in m.buffers()]
+    kinds = (GroupLinear, PackedLinear)
+    packed = [t for m in model.modules() if isinstance(m, kinds) for t in m.buffers()]
     packed = [t for t in packed if t.dtype != torch.float32]  # codes, scales, mins; not biases
+    if qtype == "F16":
+        assert len(packed) >= 4 and all(t.dtype == torch.float16 for t in packed)
+        packed.append(model.model.embed_tokens.weight)
     assert len(packed) >= 8  # codes and scales of every linear, the head's and embedding's
     if not huge_pages_available():
         pytest.skip("no transparent huge pages for anonymous memory here")
@@ -574,8 +610,8 @@ def test_gguf_quantized_weights_are_packed_into_one_huge_page_arena(gguf_file, q
 
 @pytest.mark.parametrize(
     ("qtype", "vocab_size", "layers"),
-    [("Q8_0", 8192, 4), ("Q4_0", 8192, 4), ("Q8_0", 65536, 1)],
-    ids=["q8_0", "q4_0", "q8_0-embedding-heavy"],
+    [("Q8_0", 8192, 4), ("Q4_0", 8192, 4), ("Q8_0", 65536, 1), ("F16", 8192, 4)],
+    ids=["q8_0", "q4_0", "q8_0-embedding-heavy", "f16"],
 )
 def test_gguf_load_adds_about_the_file_size(gguf_file, qtype, vocab_size, layers):
     """A 40-74M-parameter file in a fresh process (measured after the imports), at its peak

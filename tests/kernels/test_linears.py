@@ -153,6 +153,34 @@ def test_pack_layout_is_panels_of_output_channels():
     assert torch.equal(torch.ops.ember_cpu.pack_linear_weight(w.half()).float(), packed)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_packed_linear_from_weights_packs_as_the_kernel_packs_their_rows_side_by_side(dtype):
+    """Parts of odd sizes (the last one ends inside a panel), a bias on some parts only, a
+    row permutation gathered a chunk at a time (wider than one chunk), as a GGUF load packs
+    a fused projection straight from the file."""
+    from ember.compiler.quant import PackedLinear, row_chunk
+
+    panel = kernels.panel_width()
+    k = 67
+    g = torch.Generator().manual_seed(3)
+    sizes = [2 * panel, row_chunk(k) + panel, 45]
+    ws = [torch.randn(n, k, generator=g).to(dtype) for n in sizes]
+    biases = [None, torch.randn(sizes[1], generator=g), None]
+    order = torch.randperm(sizes[1], generator=g)
+    linear = PackedLinear.from_weights(list(zip(ws, biases, strict=True)), [None, order, None])
+    rows = torch.cat([ws[0], ws[1][order], ws[2]])
+    assert torch.equal(linear.packed, torch.ops.ember_cpu.pack_linear_weight(rows))
+    assert linear.in_features == k and linear.out_features == sum(sizes)
+    assert torch.equal(linear.bias, torch.cat([torch.zeros(sizes[0]), biases[1], torch.zeros(45)]))
+    x = torch.randn(5, k, generator=g)
+    ref = x.double() @ rows.double().T + linear.bias.double()
+    torch.testing.assert_close(linear(x).double(), ref, atol=1e-3, rtol=1e-4)
+    with pytest.raises(ValueError, match="multiple of"):
+        PackedLinear.from_weights([(ws[2], None), (ws[0], None)])
+    with pytest.raises(ValueError, match="dtype or input size"):
+        PackedLinear.from_weights([(ws[0], None), (ws[2][:, :60], None)])
+
+
 def test_packed_linear_contract():
     x, w, scales, b, _ = _packed_case(5, 45, 67, torch.int8)
     packed = torch.ops.ember_cpu.pack_linear_weight(w)
