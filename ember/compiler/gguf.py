@@ -985,10 +985,12 @@ def _packed_linear(
         assert view is not None
         parts.append((view, bias))
         orders.append(order)
-    packed = PackedLinear.from_weights(parts, orders)
+
+    def done(part: int, start: int, end: int) -> None:
+        drop_pages(tensors[part].data[start:end])
+
+    packed = PackedLinear.from_weights(parts, orders, done)
     del parts
-    for tensor in tensors:
-        drop_pages(tensor.data)
     return packed
 
 

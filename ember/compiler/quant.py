@@ -82,6 +82,7 @@ class PackedLinear(nn.Module):
         cls,
         parts: list[tuple[torch.Tensor, torch.Tensor | None]],
         orders: list[torch.Tensor | None] | None = None,
+        done: Callable[[int, int, int], None] | None = None,
     ) -> PackedLinear:
         """One `PackedLinear` (fp32 math) computing the weights of `parts` ((weight [n, K],
         bias or None) of one dtype and K; each weight but the last fills whole panels) side by
@@ -89,8 +90,10 @@ class PackedLinear(nn.Module):
         file's map into the load's weight arena, with no copy in between (the whole-weight
         copy, then `fuse_projections_`' concatenation, then the packer's own output and
         `move_to_huge_pages` each wrote the weight again). `orders[i]`, when given, lists the
-        rows of part i in the order they are packed (a row permutation, gathered a chunk at a
-        time)."""
+        rows of part i in the order they are packed (a row permutation). Rows go a
+        `row_chunk` at a time; `done(i, start, end)` is called once rows [start, end) of part
+        i are read (a GGUF load drops their file pages: an F16 table tied to the head, packed
+        last, no longer sits whole in RSS beside the packed weights)."""
         panel = kernels.panel_width()
         weights = [w for w, _ in parts]
         k, dtype = weights[0].shape[1], weights[0].dtype
@@ -105,14 +108,15 @@ class PackedLinear(nn.Module):
         packed = weight_zeros((-(-n // panel), k, panel), dtype)
         start = 0
         with torch.no_grad():
-            for w, order in zip(weights, orders or [None] * len(weights), strict=True):
-                if order is None:
-                    _pack_panels_into(w, packed[start:])
-                else:
-                    step = row_chunk(k)
-                    for r in range(0, w.shape[0], step):
-                        rows = w.index_select(0, order[r : r + step])
-                        _pack_panels_into(rows, packed[start + r // panel :])
+            step, orders = row_chunk(k), orders or [None] * len(parts)
+            for i, (w, order) in enumerate(zip(weights, orders, strict=True)):
+                for r in range(0, w.shape[0], step):
+                    rows = w[r : r + step] if order is None else w[order[r : r + step]]
+                    _pack_panels_into(rows, packed[start + r // panel :])
+                    if done is not None and order is None:
+                        done(i, r, r + rows.shape[0])
+                if done is not None and order is not None:
+                    done(i, 0, w.shape[0])  # a permutation reads rows from all over
                 start += w.shape[0] // panel
         self = cls.__new__(cls)
         nn.Module.__init__(self)

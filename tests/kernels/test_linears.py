@@ -167,7 +167,12 @@ def test_packed_linear_from_weights_packs_as_the_kernel_packs_their_rows_side_by
     ws = [torch.randn(n, k, generator=g).to(dtype) for n in sizes]
     biases = [None, torch.randn(sizes[1], generator=g), None]
     order = torch.randperm(sizes[1], generator=g)
-    linear = PackedLinear.from_weights(list(zip(ws, biases, strict=True)), [None, order, None])
+    read: list[tuple[int, int, int]] = []
+    linear = PackedLinear.from_weights(
+        list(zip(ws, biases, strict=True)), [None, order, None], lambda *r: read.append(r)
+    )
+    # Rows are reported read a chunk at a time, a permuted part's all at once.
+    assert read == [(0, 0, sizes[0]), (1, 0, sizes[1]), (2, 0, 45)]
     rows = torch.cat([ws[0], ws[1][order], ws[2]])
     assert torch.equal(linear.packed, torch.ops.ember_cpu.pack_linear_weight(rows))
     assert linear.in_features == k and linear.out_features == sum(sizes)
