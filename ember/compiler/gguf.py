@@ -974,8 +974,8 @@ def _packed_linear(
     drop_pages: Callable[[np.ndarray], None],
 ) -> PackedLinear:
     """A `PackedLinear` of F32/F16/BF16 GGUF weights (side by side where there are several),
-    packed from the file's map (`processor`'s row permutation, Llama's Q/K, copies those two);
-    each tensor's file pages are dropped once it is packed."""
+    packed from the file's map, rows in the order `processor` puts them (Llama's Q/K:
+    gathered a chunk at a time); each tensor's file pages are dropped as its rows are read."""
     parts, orders = [], []
     for tensor, bias in zip(tensors, biases, strict=True):
         data, order = tensor.data, _row_order(processor, tensor.name, int(tensor.shape[1]))
