@@ -64,6 +64,7 @@ from ember.compiler.quant import (
     PackedEmbedding,
     PackedLinear,
     Rows,
+    cat_biases,
     gathers_rows,
     place_fused,
     quantize_groups,
@@ -623,11 +624,7 @@ def fused_group_linear(
     bits, _ = _converter(parts[0][1])
     rows = sum(raw.shape[0] for raw, _, _ in parts)
     chunks = itertools.chain.from_iterable(_row_chunks(raw, q, release) for raw, q, _ in parts)
-    bias = None
-    if any(b is not None for _, _, b in parts):
-        bias = torch.cat(
-            [b.detach().float() if b is not None else torch.zeros(len(raw)) for raw, _, b in parts]
-        )
+    bias = cat_biases([b for _, _, b in parts], [len(raw) for raw, _, _ in parts])
     return GroupLinear.from_row_chunks(rows, bits, chunks, bias)
 
 
@@ -851,6 +848,14 @@ def load_gguf_model(
         drop_pages(part)
         heap.freed(part.nbytes * 4)  # the chunk's temporaries: about 4 bytes a byte of it
 
+    def place_dense(module: nn.Module, attr: str, tensor: Any, hf_name: str) -> None:
+        """`tensor` set as it is (`_dense`), its file pages dropped."""
+        data = _permute_rows(processor, tensor.name, tensor.data)
+        _set_tensor(module, attr, _dense(tensor, tensor.tensor_type.name, data), hf_name)
+        del data
+        drop_pages(tensor.data)
+        heap.freed(tensor.n_bytes)
+
     kept: dict[str, Any] = {}  # quantized weights, converted once every bias is in place
     dense: dict[str, Any] = {}  # F32/F16/BF16 linear weights, packed likewise
     tables: dict[str, Any] = {}  # F32/F16/BF16 tables, packed as a tied head or copied
@@ -872,11 +877,7 @@ def load_gguf_model(
             if gathers_rows(module):
                 tables[module_name] = tensor
                 continue
-        data = _permute_rows(processor, tensor.name, tensor.data)
-        _set_tensor(module, attr, _dense(tensor, qtype, data), hf_name)
-        del data
-        reader.drop_pages(tensor.data)
-        heap.freed(tensor.n_bytes)
+        place_dense(module, attr, tensor, hf_name)
 
     def bias_of(module_name: str, tensor: Any) -> torch.Tensor | None:
         """The bias of `module_name`, once its GGUF weight `tensor` is checked against it."""
@@ -928,11 +929,7 @@ def load_gguf_model(
             _place(model, module_name, linear)
     for module_name, tensor in tables.items():  # after the head, which may be quantized
         if not _pack_tied_table(model, module_name, processor, tensor, reader.drop_pages):
-            data = _permute_rows(processor, tensor.name, tensor.data)
-            table = _dense(tensor, tensor.tensor_type.name, data)
-            _set_tensor(model.get_submodule(module_name), "weight", table, f"{module_name}.weight")
-            del data
-            reader.drop_pages(tensor.data)
+            place_dense(model.get_submodule(module_name), "weight", tensor, f"{module_name}.weight")
     del reader, kept, dense, tables
     _tie_head(model, config)
     _materialize_buffers(model)

@@ -123,16 +123,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features, self.pairs = k, n, False
         self.register_buffer("packed", packed)
         self.register_buffer("scales", None)
-        biases = [b for _, b in parts]
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat(
-                [
-                    b.detach().float() if b is not None else torch.zeros(w.shape[0])
-                    for w, b in zip(weights, biases, strict=True)
-                ]
-            )
-        self.register_buffer("bias", bias)
+        self.register_buffer("bias", cat_biases([b for _, b in parts], [len(w) for w in weights]))
         return self
 
     @property
@@ -752,16 +743,21 @@ class FusedSlice(nn.Module):
         return f"rows [{self.start}, {self.end}) of a fused projection"
 
 
-def _cat_bias(parts: list[nn.Module]) -> torch.Tensor | None:
-    biases = [getattr(p, "bias", None) for p in parts]
+def cat_biases(biases: list[torch.Tensor | None], sizes: list[int]) -> torch.Tensor | None:
+    """The fp32 bias of projections of `sizes` outputs computed side by side: theirs, zeros
+    for those without one; None where none has one."""
     if all(b is None for b in biases):
         return None
     return torch.cat(
         [
-            b.detach().float() if b is not None else torch.zeros(p.out_features)
-            for b, p in zip(biases, parts, strict=True)
+            b.detach().float() if b is not None else torch.zeros(n)
+            for b, n in zip(biases, sizes, strict=True)
         ]
     )
+
+
+def _cat_bias(parts: list[nn.Module]) -> torch.Tensor | None:
+    return cat_biases([getattr(p, "bias", None) for p in parts], [p.out_features for p in parts])
 
 
 def _fuse(parts: list[nn.Module]) -> nn.Module | None:
