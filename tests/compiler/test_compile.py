@@ -23,6 +23,12 @@ from tests.conftest import FAMILIES, drive_random, gib_for_blocks, hf_greedy, ma
 from tests.e2e.test_generate_hf import run_staggered
 
 
+def flat_calls(llm: LLM) -> int:
+    """How many of the engine's graphs run as `ember.compiler.flat_call`s."""
+    forwards = llm.llm_engine.runner.forwards.compiled()
+    return sum(hasattr(g, "__wrapped__") for _, f in forwards for g in f.graphs.values())
+
+
 def test_buckets_padding_and_graph_sizes():
     ladder = (1, 4, 16)
     assert [padded_num_tokens(n, ladder) for n in (1, 2, 4, 5, 16, 17, 300)] == [
@@ -103,6 +109,7 @@ def test_compiled_graph_count_no_breaks_and_matches_hf(checkpoint_dir, family, m
     assert counters["stats"]["unique_graphs"] - graphs_before == 1
     assert sum(counters["graph_break"].values()) == breaks_before
     assert llm.llm_engine.runner.graphs_compiled == 3
+    assert flat_calls(llm) == 3  # adopted from the workers too
     prompts = make_prompts(6, seed=11, low=2, high=20)
     got = run_staggered(
         llm, prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -283,8 +290,11 @@ _TASK_CHILD = textwrap.dedent("""
         out = llm.embed([{"prompt_token_ids": [5, 6, 7, 8, 9]}], use_tqdm=False)
         result = out[0].outputs.embedding
     runner = llm.llm_engine.runner
+    flat = sum(hasattr(g, "__wrapped__") for _, f in runner.forwards.compiled()
+               for g in f.graphs.values())
     print(json.dumps({"hit": llm.llm_engine.compile_cache_hit, "result": result,
-                      "compiled": runner.graphs_compiled, "loaded": runner.graphs_loaded}))
+                      "compiled": runner.graphs_compiled, "loaded": runner.graphs_loaded,
+                      "flat": flat}))
 """)
 
 
@@ -308,6 +318,7 @@ def test_compile_cache_round_trip_encoder_decoder_and_embedding(kind, tmp_path):
     graphs = 4 if kind == "bart" else 2  # (static bucket + dynamic) x (decoder [+ encoder])
     assert (cold["hit"], cold["compiled"], cold["loaded"]) == (False, graphs, 0)
     assert (warm["hit"], warm["compiled"], warm["loaded"]) == (True, 0, graphs)
+    assert cold["flat"] == warm["flat"] == graphs  # `flat_call`s, compiled or loaded
     assert warm["result"] == cold["result"]
 
 
