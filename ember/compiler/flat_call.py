@@ -20,9 +20,10 @@ Dynamo's size and set-attribute helpers (a profiler hook catches every call the 
 makes), an instruction that writes outside the frame (an item or attribute store), a branch or
 arithmetic on an argument, a side effect on one.
 
-The contract this adds: the objects the forward closes over (the model's modules, weights,
-KV caches, LoRA slots) are not rebound while the graph lives; they may change in place. The
-engine only ever writes them in place.
+The contract this adds: what the forward closes over (the model: its modules, weights,
+buffers, LoRA slots) is not rebound while the graph lives; it may change in place, as the
+engine only ever changes it. The step's arguments (inputs, attention metadata, KV caches) are
+read afresh on every call, as the bytecode reads them.
 """
 
 from __future__ import annotations
