@@ -32,6 +32,17 @@ def test_engine_config_rejects_bad_knobs(checkpoint_dir, kwargs, knob):
         LLM(model=checkpoint_dir("tiny-llama"), compile=False, **kwargs)
 
 
+def test_a_second_cpu_isa_in_one_process_is_a_value_error(checkpoint_dir, monkeypatch):
+    """A process holds one kernel build: an engine asking for another ISA is told so (before,
+    a GGUF file failed with "kernels cannot be built here", and a checkpoint silently ran
+    without the kernels)."""
+    from ember import kernels
+
+    monkeypatch.setattr(kernels, "_loaded_isa", "native")
+    with pytest.raises(ValueError, match=r"cpu_isa='avx2'.*cpu_isa='native'.*new process"):
+        LLM(model=checkpoint_dir("tiny-llama"), compile=False, cpu_isa="avx2")
+
+
 def test_dtype_resolution():
     assert resolve_dtype("float32", None) == torch.float32
     assert resolve_dtype("bfloat16", None) == torch.bfloat16
