@@ -110,3 +110,23 @@ def test_flat_call_is_refused_where_the_bytecode_does_more_than_read():
         assert flat_call(graph) is None, forward.__name__
         graph(x, meta)  # the graph itself still runs
     assert flat_call(lambda x: x) is None  # not an aot_compile'd graph (a frozen one)
+
+
+def test_flat_call_leaves_a_running_profiler_alone():
+    """The symbolic run installs no hook of its own: a cProfile session around an engine's
+    start keeps running, and the graph is still called flat."""
+    import cProfile
+    import sys
+
+    x, meta, _ = _step(3, 3)
+    graph = _aot(lambda x, meta: x.sum(-1) + meta.seq_lens, x, meta)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        call = flat_call(graph)
+        running = sys.getprofile()
+    finally:
+        profiler.disable()
+    assert running is profiler
+    assert call is not None
+    torch.testing.assert_close(call(x, meta), x.sum(-1) + meta.seq_lens)
