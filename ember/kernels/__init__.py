@@ -177,6 +177,18 @@ def ready() -> bool:
     return _loaded_isa is not None or os.path.exists(_build(_prebuild_isa or "native").library)
 
 
+def isa_conflict(isa: str | None) -> str | None:
+    """Why this process cannot run ember's kernels for `isa` (it loaded another build: a
+    process holds one), or None."""
+    if _loaded_isa is None or isa in (None, _loaded_isa):
+        return None
+    return (
+        f"cpu_isa={isa!r}: this process already runs ember's kernels built for "
+        f"cpu_isa={_loaded_isa!r}, and a process holds one build; start a new process for "
+        f"cpu_isa={isa!r}"
+    )
+
+
 def load(isa: str | None = None) -> None:
     """Build (first time on this machine) and load the kernels for `isa` (None: the loaded one,
     else the one a `prebuild` started, else "native"); registers `ember_cpu` ops. A process
@@ -188,11 +200,9 @@ def load(isa: str | None = None) -> None:
         return
     with _loading:
         if _loaded_isa is not None:
-            if isa not in (None, _loaded_isa):
-                raise RuntimeError(
-                    f"ember's kernels are loaded for cpu_isa={_loaded_isa!r} in this process; "
-                    f"cpu_isa={isa!r} needs a new process"
-                )
+            conflict = isa_conflict(isa)
+            if conflict is not None:
+                raise RuntimeError(conflict)
             return
         isa = isa or _prebuild_isa or "native"
         _build_and_load(isa)

@@ -156,13 +156,9 @@ class EngineArgs:
         if model != self.model:  # a hub id: every later read is of the local snapshot
             return dataclasses.replace(self, model=model, revision=None).create_engine_config()
         if self.cpu_isa in CPU_ISAS:
-            held = kernels.loaded_isa()
-            if held not in (None, self.cpu_isa):
-                raise ValueError(
-                    f"cpu_isa={self.cpu_isa!r}: this process already runs ember's kernels "
-                    f"built for cpu_isa={held!r}, and a process holds one build; start a new "
-                    f"process for cpu_isa={self.cpu_isa!r}"
-                )
+            conflict = kernels.isa_conflict(self.cpu_isa)
+            if conflict is not None:
+                raise ValueError(conflict)
             kernels.prebuild(self.cpu_isa)  # a first build overlaps reading the checkpoint
         spec = read_model_spec(self.model)
         dtype, quantization = self.dtype, self.quantization
