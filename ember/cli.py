@@ -187,7 +187,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"{host.cpu_description()}; ember kernels: cpu_isa={cfg.cpu_isa}, ATen: "
         f"{torch.backends.cpu.get_cpu_capability()}; checkpoint {model_dir}, "
         f"weights {_weights_description(cfg)}, "
-        f"math/KV {str(dtype).removeprefix('torch.')}"
+        f"math {str(dtype).removeprefix('torch.')}, "
+        f"KV cache {str(cfg.kv_dtype).removeprefix('torch.')}"
     )
     print(bench.format_table(report))
     if profile is not None:

@@ -31,6 +31,7 @@ class AttentionFeatures:
     """What a model needs from its attention backend."""
 
     kv_dtype: torch.dtype
+    activation_dtype: torch.dtype | None = None  # the queries' (None: kv_dtype)
     sliding_window: bool = False
     softcap: bool = False
     bidirectional: bool = False
@@ -53,6 +54,8 @@ class AttentionBackend:
     # another layout; tensors are allocated by the runner from this shape.
     kv_layout: str = "blocks_slots_heads"
     unavailable: Callable[[], str | None] = lambda: None
+    # attends a cache narrower than its queries (a bf16 cache under fp32 math)
+    mixed_kv_dtype: bool = True
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -80,6 +83,9 @@ class AttentionBackend:
             return "cross-layer KV sharing"
         if features.kv_dtype not in self.kv_dtypes:
             return f"KV cache dtype {features.kv_dtype}"
+        activation = features.activation_dtype or features.kv_dtype
+        if activation != features.kv_dtype and not self.mixed_kv_dtype:
+            return f"a {features.kv_dtype} KV cache under {activation} activations"
         if features.softcap and not self.softcap:
             return "attention logit soft-capping"
         if features.sliding_window and not self.sliding_window:
@@ -150,6 +156,7 @@ register_backend(
         bidirectional=True,
         kv_layout="blocks_heads_slots",
         unavailable=_ipex_unavailable,
+        mixed_kv_dtype=False,
     )
 )
 register_backend(

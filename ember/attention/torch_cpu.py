@@ -20,9 +20,10 @@ One call handles a whole mixed batch with no Python loop over sequences:
   (and every chunk without the kernels) are padded to the longest chunk of the step and
   attended in one batched SDPA call, with a mask per sequence (`[chunks, 1, q, k]`), never
   one dense mask across requests.
-Math runs in float32, except that a bfloat16 cache on a CPU with native bf16 matrix math
-(AVX512-BF16 / AMX) is attended in bfloat16 by SDPA's flash kernel, which accumulates in
-float32: converting the gathered K/V to float32 cost as much as the attention itself there.
+Math runs in float32, except that a bfloat16 cache attended by bfloat16 queries on a CPU with
+native bf16 matrix math (AVX512-BF16 / AMX) is attended in bfloat16 by SDPA's flash kernel,
+which accumulates in float32: converting the gathered K/V to float32 cost as much as the
+attention itself there. A bfloat16 cache under float32 queries (`kv_cache_dtype`) is widened.
 """
 
 from __future__ import annotations
@@ -56,14 +57,17 @@ def release() -> None:
     _scratch.clear()
 
 
-def compute_dtype(kv_dtype: torch.dtype) -> torch.dtype:
-    """The dtype attention runs in for a cache of `kv_dtype` (see the module docstring)."""
-    if kv_dtype == torch.bfloat16 and cpu_has_native_bf16():
+def compute_dtype(kv_dtype: torch.dtype, query_dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention runs in for a cache of `kv_dtype` attended by queries of
+    `query_dtype` (see the module docstring): a bf16 cache under fp32 queries is widened."""
+    if kv_dtype == query_dtype == torch.bfloat16 and cpu_has_native_bf16():
         return torch.bfloat16
     return torch.float32
 
 
-def _gather(kv_cache: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(
+    kv_cache: torch.Tensor, tables: torch.Tensor, query_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V of whole blocks `tables [n, nb]` as `[n, num_kv_heads, nb * block_size, D]` in
     `compute_dtype`.
 
@@ -80,7 +84,7 @@ def _gather(kv_cache: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor,
     torch.index_select(kv_cache[1].view(num_blocks, -1), 0, flat, out=v)
     k = k.view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
     v = v.view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-    dtype = compute_dtype(kv_cache.dtype)
+    dtype = compute_dtype(kv_cache.dtype, query_dtype)
     return k.to(dtype), v.to(dtype)
 
 
@@ -142,7 +146,7 @@ def _attend_decodes(
     tables = tables[:, :nb]
     if tables.shape[1] < nb:
         tables = F.pad(tables, (0, nb - tables.shape[1]))
-    k, v = _gather(kv_cache, tables.long())  # [n, Hkv, L, D]
+    k, v = _gather(kv_cache, tables.long(), query.dtype)  # [n, Hkv, L, D]
     total = k.shape[2]
     mask = _visible((seq_lens - 1)[:, None], total, seq_lens, True, sliding_window)  # [n,1,1,L]
     # Fold the query heads of each K/V head into the query axis: [n, Hkv, group, D].
@@ -190,7 +194,7 @@ def _attend_chunks(
     m = starts.numel()
     block_size = kv_cache.shape[2]
     max_q, length = int(q_lens.max()), int(seq_lens.max())
-    k, v = _gather(kv_cache, tables[:, : -(-length // block_size)].long())
+    k, v = _gather(kv_cache, tables[:, : -(-length // block_size)].long(), query.dtype)
     k, v = k[:, :, :length], v[:, :, :length]
     num_heads, head_dim = query.shape[1:]
     rows = torch.arange(max_q)
@@ -243,7 +247,7 @@ def paged_attention(
             block_tables, scale, sliding_window, softcap, causal,
         )  # fmt: skip
     write_kv(kv_cache, key, value, slot_mapping)
-    out = torch.zeros(query.shape, dtype=compute_dtype(kv_cache.dtype))
+    out = torch.zeros(query.shape, dtype=compute_dtype(kv_cache.dtype, query.dtype))
     attend_rest(
         out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window,
         softcap, causal, _DECODES | _CHUNKS,

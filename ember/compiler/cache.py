@@ -48,9 +48,11 @@ def key_parts(
     block_size: int,
     freezing: bool,
     dynamic_graph: bool,
+    kv_dtype: torch.dtype,
 ) -> dict[str, Any]:
     """The key of the graphs of `loaded` (as the loader built it: dtype, quantization, attention
-    backend, LoRA slots) run with this bucket ladder, block size and inductor settings."""
+    backend, LoRA slots) run with this bucket ladder, block size, KV cache dtype and inductor
+    settings."""
     hf_config = loaded.spec.hf_config
     lora = loaded.lora
     model = json.loads(hf_config.to_json_string(use_diff=False))
@@ -64,6 +66,7 @@ def key_parts(
         "architecture": (getattr(hf_config, "architectures", None) or ["?"])[0],
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "weight_dtype": str(loaded.weight_dtype).removeprefix("torch."),
+        "kv_dtype": str(kv_dtype).removeprefix("torch."),
         "buckets": list(buckets),
         "dynamic_graph": dynamic_graph,
         "block_size": block_size,

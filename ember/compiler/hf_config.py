@@ -81,8 +81,11 @@ class ModelSpec:
         """The language model's config (the whole config for text-only models)."""
         return self.hf_config.get_text_config()
 
-    def attention_features(self, kv_dtype: torch.dtype) -> AttentionFeatures:
-        """What the model's attention layers need from a backend."""
+    def attention_features(
+        self, kv_dtype: torch.dtype, activation_dtype: torch.dtype | None = None
+    ) -> AttentionFeatures:
+        """What the model's attention layers need from a backend (queries in
+        `activation_dtype`, `kv_dtype` when not given)."""
         config = self.text_config
         layer_types = getattr(config, "layer_types", None) or ()
         window = getattr(config, "sliding_window", None)
@@ -91,6 +94,7 @@ class ModelSpec:
         )
         return AttentionFeatures(
             kv_dtype=kv_dtype,
+            activation_dtype=activation_dtype or kv_dtype,
             sliding_window=sliding,
             softcap=bool(getattr(config, "attn_logit_softcapping", None)),
             bidirectional=self.task in ("embed", "encdec"),

@@ -169,7 +169,7 @@ class LLMEngine:
             load_format=config.load_format,
         )
         num_blocks = KVCacheSpec.num_blocks_for(
-            config.kv_cache_gib, loaded.kv_layer_shapes, config.block_size, config.dtype
+            config.kv_cache_gib, loaded.kv_layer_shapes, config.block_size, config.kv_dtype
         )
         # One block is the reserved null block for padding.
         if num_blocks - 1 < config.max_blocks_per_seq:

@@ -81,7 +81,7 @@ class ModelRunner:
         self.kv_caches = [
             zeroed_lazily(
                 self.backend.kv_cache_shape(num_blocks, config.block_size, heads, head_dim),
-                config.dtype,
+                config.kv_dtype,
             )
             for heads, head_dim in loaded.kv_layer_shapes
         ]
@@ -328,6 +328,7 @@ class ModelRunner:
             self.config.block_size,
             self.config.freeze_weights,
             len(self.graph_sizes) > len(self.buckets),
+            self.config.kv_dtype,
         )
         record = cache.lookup(cache_dir, parts) if cache_dir is not None else None
         hit = record is not None

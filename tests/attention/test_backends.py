@@ -65,6 +65,30 @@ def test_feature_a_backend_lacks_fails_naming_backend_and_feature(features, lack
     )
 
 
+def test_a_cache_narrower_than_the_queries_needs_a_backend_that_widens_it(
+    checkpoint_dir, fake_ipex, monkeypatch
+):
+    """torch and triton attend a bf16 cache under fp32 queries; IPEX's kernels take one dtype.
+    With kv_cache_dtype="auto", an engine on IPEX keeps its cache in the math's dtype; asked
+    for by name, the bf16 cache is an error naming the backend."""
+    from ember.runtime import config
+
+    mixed = AttentionFeatures(torch.bfloat16, activation_dtype=torch.float32)
+    assert get_backend("torch").unsupported(mixed) is None
+    assert get_backend("triton").unsupported(mixed) is None
+    assert get_backend("ipex").unsupported(mixed) == (
+        "a torch.bfloat16 KV cache under torch.float32 activations"
+    )
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda isa="native": False)
+    d = checkpoint_dir("tiny-llama", dtype=torch.bfloat16)
+    cfg = EngineArgs(d, attention_backend="ipex").create_engine_config()
+    assert (cfg.attention_backend, cfg.kv_dtype) == ("ipex", torch.float32)
+    cfg = EngineArgs(d).create_engine_config()
+    assert (cfg.attention_backend, cfg.kv_dtype) == ("torch", torch.bfloat16)
+    with pytest.raises(ValueError, match="KV cache under torch.float32 .* 'ipex'"):
+        EngineArgs(d, attention_backend="ipex", kv_cache_dtype="bfloat16").create_engine_config()
+
+
 def test_model_needing_an_unsupported_feature_fails_at_load(checkpoint_dir):
     d = checkpoint_dir("tiny-llama", num_kv_shared_layers=1)
     with pytest.raises(ValueError, match="cross-layer KV sharing is not supported"):
@@ -117,11 +141,37 @@ def test_bf16_cache_math_both_ways(monkeypatch, native_bf16):
     the fp32 oracle within bf16 tolerance (mixed, windowed and split-decode cases)."""
     monkeypatch.setattr(torch_cpu, "cpu_has_native_bf16", lambda: native_bf16)
     want = torch.bfloat16 if native_bf16 else torch.float32
-    assert torch_cpu.compute_dtype(torch.bfloat16) == want
-    assert torch_cpu.compute_dtype(torch.float32) == torch.float32
+    assert torch_cpu.compute_dtype(torch.bfloat16, torch.bfloat16) == want
+    assert torch_cpu.compute_dtype(torch.float32, torch.float32) == torch.float32
     monkeypatch.setattr(torch_cpu, "_SPLIT_MIN_TOKENS", 8)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
     backend = load_backend("torch")
     for specs, window in (([(12, 1), (0, 11), (5, 1), (0, 3)], 0), ([(63, 1), (40, 1)], 20)):
         out, refs, _ = _run_case(backend, specs, 4, 1, 16, 4, torch.bfloat16, sliding_window=window)
         torch.testing.assert_close(out.float(), torch.cat(refs), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+@pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16-cpu", "no-bf16-cpu"])
+def test_bf16_cache_under_fp32_queries(monkeypatch, name, native_bf16):
+    """kv_cache_dtype="bfloat16" under float32 math: the cache holds bf16 K/V and attention
+    widens them, on any CPU: float32 out, equal to the float32 oracle over the cache's values
+    at float32 tolerance. Decodes and chunks in C++, split decodes and soft-capping in the
+    PyTorch code, a sliding window."""
+    monkeypatch.setattr(torch_cpu, "cpu_has_native_bf16", lambda: native_bf16)
+    assert torch_cpu.compute_dtype(torch.bfloat16, torch.float32) == torch.float32
+    monkeypatch.setattr(torch_cpu, "_SPLIT_MIN_TOKENS", 8)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    backend = load_backend(name)
+    cases = (
+        ([(12, 1), (0, 11), (5, 1), (0, 3)], 0, 0.0),
+        ([(63, 1), (40, 1)], 20, 0.0),
+        ([(63, 1), (16, 5), (0, 9)], 0, 30.0),
+    )
+    for specs, window, softcap in cases:
+        out, refs, _ = _run_case(
+            backend, specs, 4, 1, 16, 4, torch.bfloat16, sliding_window=window, softcap=softcap,
+            query_dtype=torch.float32,
+        )  # fmt: skip
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, torch.cat(refs), atol=1e-4, rtol=1e-4)

@@ -58,8 +58,12 @@ def _run_case(
     seed=0,
     pad_tokens=0,
     pad_seqs=0,
+    query_dtype=None,
 ):
-    """seq_specs: list of (num_computed, num_new). Returns (op output, oracle outputs)."""
+    """seq_specs: list of (num_computed, num_new). Returns (op output, oracle outputs).
+    `query_dtype`: the queries' and the new K/V's dtype when it differs from the cache's
+    `dtype` (the K/V values are `dtype`'s either way, so the oracle sees what the cache holds)."""
+    act = query_dtype or dtype
     g = torch.Generator().manual_seed(seed)
     num_blocks = 1 + sum(-(-(c + n) // block_size) for c, n in seq_specs) + 3
     kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
@@ -88,9 +92,9 @@ def _run_case(
         num_seqs_padded=len(seq_specs) + pad_seqs,
     )
     T = num_tokens + pad_tokens
-    query = torch.randn(T, num_heads, head_dim, generator=g).to(dtype)
-    key = torch.zeros(T, num_kv_heads, head_dim, dtype=dtype)
-    value = torch.zeros(T, num_kv_heads, head_dim, dtype=dtype)
+    query = torch.randn(T, num_heads, head_dim, generator=g).to(act)
+    key = torch.zeros(T, num_kv_heads, head_dim, dtype=act)
+    value = torch.zeros(T, num_kv_heads, head_dim, dtype=act)
     start = 0
     for (c, n), k, v in zip(seq_specs, full_k, full_v):
         key[start : start + n], value[start : start + n] = k[c:], v[c:]
@@ -115,7 +119,15 @@ def _run_case(
     refs, start = [], 0
     for (c, n), k, v in zip(seq_specs, full_k, full_v):
         refs.append(
-            ref_attention(query[start : start + n], k, v, scale, causal, sliding_window, softcap)
+            ref_attention(
+                query[start : start + n],
+                k.to(act),
+                v.to(act),
+                scale,
+                causal,
+                sliding_window,
+                softcap,
+            )
         )
         start += n
     # The cache now holds every token's K/V at its slot.

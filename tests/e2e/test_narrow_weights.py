@@ -39,19 +39,42 @@ import json, sys
 import torch
 from ember import LLM, SamplingParams
 d, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-llm = LLM(model=d, cpu_isa="avx2", kv_cache_gib=0.01, max_model_len=128, use_tqdm=False)
-assert (llm.config.dtype, llm.config.weight_dtype) == (torch.float32, torch.bfloat16)
-model = llm.llm_engine.runner.model
-dtypes = sorted({str(m.weight.dtype) for m in model.modules() if hasattr(m, "in_features")})
-kv = sorted({str(c.dtype) for c in llm.llm_engine.runner.kv_caches})
-params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "weights": dtypes, "kv": kv}))
+result = {}
+for kv_cache_dtype in ("float32", "auto"):
+    llm = LLM(model=d, cpu_isa="avx2", kv_cache_gib=0.01, max_model_len=128, use_tqdm=False,
+              kv_cache_dtype=kv_cache_dtype)
+    assert (llm.config.dtype, llm.config.weight_dtype) == (torch.float32, torch.bfloat16)
+    model = llm.llm_engine.runner.model
+    dtypes = sorted({str(m.weight.dtype) for m in model.modules() if hasattr(m, "in_features")})
+    kv = sorted({str(c.dtype) for c in llm.llm_engine.runner.kv_caches})
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    result[kv_cache_dtype] = {"tokens": tokens, "weights": dtypes, "kv": kv}
+    llm.close()
+print(json.dumps(result))
 """
 
 
+def _ranks_in_hf_fp32(model_dir: str, prompts: list[list[int]], outs: list[list[int]]) -> list[int]:
+    """Rank of each generated token among HF fp32's logits at its step, teacher-forced on the
+    generated tokens (0 = HF's own greedy choice)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ranks = []
+    with torch.no_grad():
+        for prompt, generated in zip(prompts, outs, strict=True):
+            logits = model(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
+            chosen = logits.gather(1, torch.tensor(generated)[:, None])
+            ranks += (logits > chosen).sum(dim=1).tolist()
+    return ranks
+
+
 def test_bf16_weights_fp32_math_match_hf_fp32_compiled(checkpoint_dir):
-    d = checkpoint_dir("tiny-llama", dtype=torch.bfloat16)
+    """With AVX2 forced: a float32 cache is token-identical to HF in fp32; the default cache
+    (bf16, as narrow as the weights) stays within HF fp32's top 5, mostly its argmax."""
+    d = checkpoint_dir("tiny-llama", dtype=torch.bfloat16, initializer_range=0.3)
     prompts = make_prompts(4, seed=3)
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, d, json.dumps(prompts), "12"],
@@ -61,8 +84,34 @@ def test_bf16_weights_fp32_math_match_hf_fp32_compiled(checkpoint_dir):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["weights"] == ["torch.bfloat16"] and got["kv"] == ["torch.float32"]
-    assert got["tokens"] == hf_greedy(d, prompts, 12, dtype=torch.float32)
+    exact, default = got["float32"], got["auto"]
+    assert exact["weights"] == ["torch.bfloat16"] and exact["kv"] == ["torch.float32"]
+    assert exact["tokens"] == hf_greedy(d, prompts, 12, dtype=torch.float32)
+    assert default["weights"] == ["torch.bfloat16"] and default["kv"] == ["torch.bfloat16"]
+    ranks = _ranks_in_hf_fp32(d, prompts, default["tokens"])
+    assert max(ranks) < 5 and sum(r == 0 for r in ranks) >= 0.75 * len(ranks), ranks
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_bf16_kv_cache_under_fp32_math(checkpoint_dir, compiled):
+    """kv_cache_dtype="bfloat16" with dtype="float32", on any CPU: the cache is bf16 and holds
+    twice the blocks in the same GiB; greedy tokens stay within HF fp32's top 5 (mostly its
+    argmax), and no block leaks."""
+    d = checkpoint_dir("tiny-llama", initializer_range=0.3)
+    prompts = make_prompts(4, seed=7)
+    kw = dict(dtype="float32", kv_cache_gib=0.01, max_model_len=128, use_tqdm=False)
+    with LLM(model=d, compile=False, **kw) as llm:
+        fp32_blocks = llm.llm_engine.block_manager.num_blocks
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(model=d, compile=compiled, kv_cache_dtype="bfloat16", **kw) as llm:
+        assert (llm.config.dtype, llm.config.kv_dtype) == (torch.float32, torch.bfloat16)
+        assert {c.dtype for c in llm.llm_engine.runner.kv_caches} == {torch.bfloat16}
+        pool = llm.llm_engine.block_manager
+        assert pool.num_blocks // 2 == fp32_blocks  # twice, but for the rounding
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert pool.num_free_blocks == pool.num_blocks - 1
+    ranks = _ranks_in_hf_fp32(d, prompts, [o.outputs[0].token_ids for o in outs])
+    assert max(ranks) < 5 and sum(r == 0 for r in ranks) >= 0.75 * len(ranks), ranks
 
 
 _CHILD_ENCODERS = """
@@ -72,7 +121,7 @@ from ember import LLM, SamplingParams
 bart, bert = sys.argv[1], sys.argv[2]
 kw = dict(cpu_isa="avx2", compile=False, kv_cache_gib=0.01, use_tqdm=False)
 out = {}
-with LLM(model=bart, **kw) as llm:
+with LLM(model=bart, kv_cache_dtype="float32", **kw) as llm:
     assert (llm.config.dtype, llm.config.weight_dtype) == (torch.float32, torch.bfloat16)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompt = {"encoder_prompt": {"prompt_token_ids": [5, 6, 7, 8, 9, 10]}, "decoder_prompt": ""}

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ember import LLM
-from ember.runtime.config import resolve_dtype
+from ember.runtime.config import EngineArgs, resolve_dtype, resolve_kv_cache_dtype
+from tests.conftest import build_tiny_bert
 
 
 @pytest.mark.parametrize(
@@ -24,6 +25,8 @@ from ember.runtime.config import resolve_dtype
         (dict(max_model_len=0), "max_model_len"),
         (dict(max_model_len=10**6), "max_model_len"),
         (dict(dtype="int4"), "dtype"),
+        (dict(kv_cache_dtype="float16"), "kv_cache_dtype"),
+        (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
         (dict(kv_cache_gib=1e-5, max_model_len=2048), "kv_cache_gib"),
     ],
 )
@@ -49,6 +52,40 @@ def test_dtype_resolution():
     with pytest.warns(UserWarning, match="bfloat16"):
         assert resolve_dtype("float16", None) == torch.bfloat16
     assert resolve_dtype("auto", torch.float32) == torch.float32
+
+
+def test_kv_cache_dtype_resolution(checkpoint_dir, monkeypatch, tmp_path):
+    """kv_cache_dtype="auto": as narrow as the weights where the model decodes, also under
+    fp32 math (no native bf16 math, patched here); the math's dtype for encoder-only models
+    and fp32 checkpoints. bf16 math cannot use a float32 cache."""
+    from ember.runtime import config
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", bf16, f32) == bf16
+    assert resolve_kv_cache_dtype("float32", bf16, f32) == f32
+    assert resolve_kv_cache_dtype("bf16", f32, f32) == bf16
+    assert resolve_kv_cache_dtype(bf16, f32, f32) == bf16
+    with pytest.raises(ValueError, match="kv_cache_dtype='float32'.*bfloat16"):
+        resolve_kv_cache_dtype("float32", bf16, bf16)
+
+    def engine_config(shape, weights=f32, **kw):
+        return EngineArgs(model=checkpoint_dir(shape, dtype=weights), **kw).create_engine_config()
+
+    bert = build_tiny_bert(str(tmp_path / "bert"), bf16)
+
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda isa="native": False)
+    cfg = engine_config("tiny-llama", bf16)
+    assert (cfg.dtype, cfg.weight_dtype, cfg.kv_dtype) == (f32, bf16, bf16)
+    assert engine_config("tiny-llama", bf16, kv_cache_dtype="float32").kv_dtype == f32
+    assert engine_config("tiny-llama", bf16, dtype="float32").kv_dtype == f32
+    assert engine_config("tiny-llama", bf16, dtype="int8").kv_dtype == f32
+    assert engine_config("tiny-llama").kv_dtype == f32
+    assert EngineArgs(model=bert).create_engine_config().kv_dtype == f32  # encoder-only
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda isa="native": True)
+    cfg = engine_config("tiny-llama", bf16)
+    assert (cfg.dtype, cfg.kv_dtype) == (bf16, bf16)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        engine_config("tiny-llama", bf16, kv_cache_dtype="float32")
 
 
 def test_unsupported_architecture_fails_at_load_naming_it(tmp_path):
