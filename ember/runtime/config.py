@@ -62,8 +62,10 @@ class EngineArgs:
     dtype: str | torch.dtype = field(
         default="auto",
         metadata=_help(
-            "auto = float32 unless the CPU has native bf16 math; float16 is cast to bfloat16; "
-            "int8 = weight-only int8 (per-channel scales), float32 activations and math",
+            "linear weights: auto = a 16-bit checkpoint's in bfloat16, an fp32 one's in "
+            "float32 (the math is bfloat16 only where the CPU has native bf16 math, else "
+            "float32); float16 is cast to bfloat16; int8 = weight-only int8 (per-channel "
+            "scales), float32 activations and math",
             choices=DTYPE_CHOICES,
         ),
     )
