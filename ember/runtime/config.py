@@ -407,7 +407,7 @@ def resolve_kv_cache_dtype(
 
 
 def compute_dtype(weight_dtype: torch.dtype, cpu_isa: str) -> torch.dtype:
-    """The dtype of activations and the KV cache for weights stored in `weight_dtype`: bf16 only
+    """The dtype of activations for weights stored in `weight_dtype`: bf16 only
     where the CPU has native bf16 math (AVX512-BF16 / AMX); elsewhere bf16 weights are widened
     to fp32 inside ember's kernels and all math runs in fp32 (ATen's bf16 GEMM on AVX2 ran at
     ~11 GFLOP/s against ~80 for fp32)."""
@@ -431,8 +431,8 @@ class EngineConfig:
     weight_dtype: torch.dtype  # linear weights (unless quantized)
     kv_dtype: torch.dtype  # the KV cache: `dtype`, or bfloat16 under float32 math
     # Weight-only quantization of every linear layer: None, "int4" (groups of 32) or "int8"
-    # (per-output-channel scales); activations, KV cache and math stay in `dtype`, which must
-    # be float32.
+    # (per-output-channel scales); activations and math stay in `dtype`, which must be
+    # float32 (the KV cache too unless kv_cache_dtype asks for bfloat16).
     quantization: str | None
     kv_cache_gib: float
     block_size: int
