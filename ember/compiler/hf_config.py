@@ -94,7 +94,7 @@ class ModelSpec:
         )
         return AttentionFeatures(
             kv_dtype=kv_dtype,
-            activation_dtype=activation_dtype or kv_dtype,
+            activation_dtype=activation_dtype,
             sliding_window=sliding,
             softcap=bool(getattr(config, "attn_logit_softcapping", None)),
             bidirectional=self.task in ("embed", "encdec"),

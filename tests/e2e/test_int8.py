@@ -53,21 +53,10 @@ def test_quantize_replaces_every_linear_including_a_tied_head(checkpoint_dir):
     assert bench.decode_bytes_per_token(model) < fp32_bytes / 3
 
 
-def _rank_in_fp32(model_dir: str, prompt: list[int], generated: list[int]) -> list[int]:
-    """Rank of each generated token among fp32 HF's logits at that step (teacher-forced on
-    `generated`): 0 = fp32's own greedy choice."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ids = torch.tensor([prompt + generated])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1]
-    chosen = logits.gather(1, torch.tensor(generated)[:, None])
-    return (logits > chosen).sum(dim=1).tolist()
-
-
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_int8_greedy_within_fp32_top5(checkpoint_dir, compile):
+    from transformers import AutoModelForCausalLM
+
     # initializer_range 0.3: peaked logits, so top-5 of 512 is a real constraint.
     d = checkpoint_dir("tiny-qwen2", initializer_range=0.3)
     prompts = make_prompts(4, seed=3, low=5, high=30)
@@ -78,7 +67,10 @@ def test_int8_greedy_within_fp32_top5(checkpoint_dir, compile):
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         pool = llm.llm_engine.block_manager
         assert pool.num_free_blocks == pool.num_blocks - 1
-    ranks = [r for p, g in zip(prompts, outs, strict=True) for r in _rank_in_fp32(d, p, g)]
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    ranks = [
+        r for p, g in zip(prompts, outs, strict=True) for r in bench.teacher_forced_ranks(hf, p, g)
+    ]
     assert max(ranks) < 5, ranks
     # Mostly fp32's own choice, step by step: int8 is close to fp32, not merely plausible.
     assert sum(r == 0 for r in ranks) >= 0.75 * len(ranks), ranks

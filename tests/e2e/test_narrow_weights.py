@@ -14,6 +14,7 @@ import torch
 
 from ember import LLM, SamplingParams, kernels
 from ember.host import cpu_has_native_bf16
+from ember.tools.bench import teacher_forced_ranks
 from tests.conftest import build_tiny_bart, build_tiny_bert, hf_bart_greedy, hf_greedy, make_prompts
 
 
@@ -57,18 +58,11 @@ print(json.dumps(result))
 
 
 def _ranks_in_hf_fp32(model_dir: str, prompts: list[list[int]], outs: list[list[int]]) -> list[int]:
-    """Rank of each generated token among HF fp32's logits at its step, teacher-forced on the
-    generated tokens (0 = HF's own greedy choice)."""
+    """`teacher_forced_ranks` of every generated token in HF fp32 (0 = HF's own argmax)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ranks = []
-    with torch.no_grad():
-        for prompt, generated in zip(prompts, outs, strict=True):
-            logits = model(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
-            chosen = logits.gather(1, torch.tensor(generated)[:, None])
-            ranks += (logits > chosen).sum(dim=1).tolist()
-    return ranks
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return [r for p, g in zip(prompts, outs, strict=True) for r in teacher_forced_ranks(hf, p, g)]
 
 
 def test_bf16_weights_fp32_math_match_hf_fp32_compiled(checkpoint_dir):
