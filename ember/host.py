@@ -323,12 +323,45 @@ def _lazy_map(nbytes: int, advice: int | None) -> torch.Tensor:
 
 
 def _in_huge_map(address: int) -> bool:
-    for start, (end, ref) in list(_huge_maps.items()):
+    return _in_map(_huge_maps, address)
+
+
+def _in_map(maps: dict[int, tuple[int, weakref.ref[mmap.mmap]]], address: int) -> bool:
+    for start, (end, ref) in list(maps.items()):
         if ref() is None:
-            del _huge_maps[start]
+            del maps[start]
         elif start <= address < end:
             return True
     return False
+
+
+# Files mapped as weights (`register_file_map`): start address -> (end address, the map,
+# weakly).
+_file_maps: dict[int, tuple[int, weakref.ref[mmap.mmap]]] = {}
+
+
+def register_file_map(buffer: mmap.mmap, whole: torch.Tensor, populate: int = 0) -> None:
+    """Record `whole` (a uint8 tensor over `buffer`, a file's memory map) as weights that stay
+    where they are: `move_to_huge_pages` leaves tensors in it in place (a copy would fault
+    fresh memory in for what the page cache already holds). Its first `populate` bytes are read
+    in now (`MADV_POPULATE_READ`: the page cache's pages mapped, none copied, even in a private
+    map), advised to use huge pages first. Where the file system keeps the file in 2 MiB folios
+    (ext4 on Linux 6.x, for a file written in large writes, or read from disk under that
+    advice) and the map is 2 MiB-aligned (Linux aligns large file maps), they are mapped as
+    huge pages (FilePmdMapped). AMD EPYC (Zen 5, KVM), a 126 MB file read from disk: 86 MB of
+    it in huge pages without the advice, all of it with (~40 ms; 0.2-2.3 ms from the page
+    cache)."""
+    _file_maps[whole.data_ptr()] = (whole.data_ptr() + whole.numel(), weakref.ref(buffer))
+    madvise = _libc_madvise()
+    if madvise is not None and populate > 0:
+        length = min(populate, whole.numel())
+        madvise(whole.data_ptr(), length, mmap.MADV_HUGEPAGE)
+        madvise(whole.data_ptr(), length, _MADV_POPULATE_READ)
+
+
+def in_file_map(t: torch.Tensor) -> bool:
+    """Whether `t`'s storage lies in a map recorded by `register_file_map`."""
+    return _in_map(_file_maps, t.untyped_storage().data_ptr())
 
 
 def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -352,6 +385,7 @@ _HUGE_PAGE = 2 << 20
 # Linux's madvise(MADV_POPULATE_WRITE) (5.14+) and MADV_COLLAPSE (6.1+), which Python 3.11's
 # mmap does not name.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)
 
 
@@ -610,7 +644,9 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
     storages: dict[int, tuple[torch.UntypedStorage, dict[int, torch.Tensor]]] = {}
     for t in tensors:
         st = t.untyped_storage()
-        if st.nbytes() < _HUGE_MIN_BYTES or t.device.type != "cpu" or _in_huge_map(st.data_ptr()):
+        if st.nbytes() < _HUGE_MIN_BYTES or t.device.type != "cpu":
+            continue
+        if _in_huge_map(st.data_ptr()) or _in_map(_file_maps, st.data_ptr()):
             continue
         storages.setdefault(st.data_ptr(), (st, {}))[1][id(t)] = t  # each tensor once
     if not storages:

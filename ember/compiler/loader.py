@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ember import kernels
 from ember.attention import AttentionBackend
+from ember.compiler import packed_cache
 from ember.compiler.hf_bridge import register_attention
 from ember.compiler.hf_config import ModelSpec, UnsupportedModelError
 from ember.compiler.quant import (
@@ -198,13 +199,28 @@ def _load_gguf(
     path = spec.gguf_file
     assert path is not None
     kernels.prebuild(cpu_isa)
+    attention = register_attention(backend, cpu_isa, resolve=False)
+    entry = packed_cache.entry_path(
+        path,
+        {
+            "cpu_isa": cpu_isa,
+            "panel": kernels.panel_width(),
+            "attention": attention,
+            "model_class": f"{spec.auto_class.__module__}.{spec.auto_class.__qualname__}",
+            "config": packed_cache.config_digest(spec.hf_config),
+        },
+    )
+    model = packed_cache.load(entry)  # the model a previous load built, mapped back
     try:
-        # Neither the tokenizer nor the weights' layout needs the kernels loaded: a first
-        # build runs on another core meanwhile (about 15 s).
-        with gguf.weights_arena(path):  # faulted in while the tokenizer and model load
+        if model is not None:
             tokenizer = gguf.load_gguf_tokenizer(path)
-            attention = register_attention(backend, cpu_isa, resolve=False)
-            model = gguf.load_gguf_model(path, spec.hf_config, spec.auto_class, attention)
+        else:
+            # Neither the tokenizer nor the weights' layout needs the kernels loaded: a first
+            # build runs on another core meanwhile (about 15 s).
+            with gguf.weights_arena(path):  # faulted in while the tokenizer and model load
+                tokenizer = gguf.load_gguf_tokenizer(path)
+                model = gguf.load_gguf_model(path, spec.hf_config, spec.auto_class, attention)
+            packed_cache.save(entry, model)
     finally:
         gguf.release(path)  # the file's memory map
     if not kernels.available(cpu_isa):

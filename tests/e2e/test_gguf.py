@@ -209,12 +209,14 @@ def test_a_cached_load_reads_the_files_index_or_a_light_reader(gguf_file, tmp_pa
     index gives each tensor's type, shape and place, and the tensor-name map); without an
     index, or with one that no longer fits the file, it opens a reader that steps over the
     metadata's large arrays (the vocabulary). Same config, same tensors, same greedy tokens as
-    the first, fully parsed load."""
+    the first, fully parsed load. (The packed weights are not cached here: a load that maps
+    them back reads no tensor of the file.)"""
     import shutil
 
     from ember.compiler import gguf as ember_gguf
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("EMBER_WEIGHTS_CACHE_GB", "0")
     path = str(shutil.copy(gguf_file("tiny-qwen2", "Q4_0"), tmp_path / "model.gguf"))
     prompts = [{"prompt_token_ids": p} for p in make_prompts(2, seed=5, low=4, high=12)]
     outs, opened = [], []
@@ -581,12 +583,14 @@ def test_bad_gguf_files_raise_value_errors_naming_the_problem(gguf_file, tmp_pat
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "F16"])
-def test_gguf_quantized_weights_are_packed_into_one_huge_page_arena(gguf_file, qtype):
-    """Every linear's packed weight, and the F16 file's (untied) table, in one arena."""
+def test_gguf_quantized_weights_are_packed_into_one_huge_page_arena(gguf_file, qtype, monkeypatch):
+    """Every linear's packed weight, and the F16 file's (untied) table, in one arena (a first
+    load's: the packed-weights cache is off here)."""
     from ember import LLM, SamplingParams
     from ember.compiler.quant import GroupLinear
     from ember.host import _in_huge_map, collapse_to_huge_pages, huge_pages_available
 
+    monkeypatch.setenv("EMBER_WEIGHTS_CACHE_GB", "0")
     llm = LLM(model=gguf_file("tiny-llama", qtype), compile=False, kv_cache_gib=0.05)
     model = llm.llm_engine.runner.model
     kinds = (GroupLinear, PackedLinear)
@@ -606,6 +610,131 @@ def test_gguf_quantized_weights_are_packed_into_one_huge_page_arena(gguf_file, q
         assert any(getattr(m, "mins", None) is not None for m in model.modules())
     out = llm.generate(["hello world"], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def _ties(model: torch.nn.Module) -> list[tuple[str, ...]]:
+    """The names of each module and tensor object in `model` that has several."""
+    names: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(f"module {name}")
+    tensors = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    for name, t in tensors:
+        names.setdefault(id(t), []).append(name)
+    return sorted(tuple(n) for n in names.values() if len(n) > 1)
+
+
+@pytest.mark.parametrize(
+    ("shape", "qtype", "compile"),
+    [
+        ("tiny-llama", "Q8_0", True),
+        ("tiny-qwen2", "Q4_0", False),
+        ("tiny-llama", "Q4_1", False),
+        ("tiny-qwen2", "F16", False),
+        ("tiny-llama", "Q5_1", False),
+    ],
+)
+def test_a_second_load_maps_the_packed_weights_back(
+    gguf_file, shape, qtype, compile, tmp_path, monkeypatch
+):
+    """The first load of a file writes the model it built to ember's weights cache; the second
+    maps it back: every tensor a view of the entry's file (nothing packed, nothing copied into
+    anonymous memory), equal to the first load's, the same modules, ties kept (the Qwen2 files
+    tie their head to the table), and the same greedy tokens and logprobs, compiled too."""
+    from ember.compiler import packed_cache
+    from ember.compiler.cache import modules_fingerprint
+    from ember.host import in_file_map
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = gguf_file(shape, qtype, tie_word_embeddings=shape == "tiny-qwen2")
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(3, seed=7, low=4, high=20)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = []
+    for _ in range(2):
+        with LLM(model=path, compile=compile, **KW) as llm:
+            outs = llm.generate(prompts, params)
+            model = llm.llm_engine.runner.model
+            runs.append((model, outs))
+        packed_cache.wait()
+    (first, first_outs), (second, second_outs) = runs
+    entries = os.listdir(tmp_path / "cache" / "ember" / "weights")
+    assert len(entries) == 1 and entries[0].endswith(".pkd"), entries
+    assert modules_fingerprint(first) == modules_fingerprint(second)
+    want, got = _tensors(first), _tensors(second)
+    assert want.keys() == got.keys()
+    packed = (GroupLinear, PackedLinear)
+    weights = [t for m in second.modules() if isinstance(m, packed) for t in m.buffers()]
+    assert weights and all(in_file_map(t) for t in weights)
+    assert not any(in_file_map(t) for t in want.values())
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    assert _ties(first) == _ties(second)
+    if shape == "tiny-qwen2":  # the head is the table's packed weight
+        assert any(len(names) > 1 for names in _ties(second))
+    for a, b in zip(first_outs, second_outs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_the_weights_cache_is_rebuilt_capped_or_off(gguf_file, tmp_path, monkeypatch, caplog):
+    """An entry that cannot be read is loaded afresh and written again; a changed GGUF file
+    gets an entry of its own; an entry over `EMBER_WEIGHTS_CACHE_GB` is not written, and 0
+    turns the cache off; a model that cannot be pickled loads as before, uncached."""
+    import shutil
+
+    from ember.compiler import gguf as ember_gguf
+    from ember.compiler import packed_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = str(shutil.copy(gguf_file("tiny-llama", "Q8_0"), tmp_path / "model.gguf"))
+    directory = tmp_path / "cache" / "ember" / "weights"
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(2, seed=3, low=4, high=12)]
+
+    def load() -> list[list[int]]:
+        with LLM(model=path, compile=False, **KW) as llm:
+            out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        packed_cache.wait()
+        return out
+
+    def entries() -> list[str]:
+        return sorted(os.listdir(directory)) if directory.is_dir() else []
+
+    want = load()
+    (entry,) = entries()
+    with open(directory / entry, "r+b") as f:
+        f.truncate(4096)  # a torn entry: read afresh, written again
+    assert load() == want and "cannot read" in caplog.text
+    assert entries() == [entry] and os.path.getsize(directory / entry) > 4096
+    assert packed_cache.load(str(directory / entry)) is not None
+
+    os.utime(path, ns=(0, 0))  # a changed file: its own entry
+    assert load() == want and len(entries()) == 2
+
+    shutil.rmtree(directory)
+    monkeypatch.setenv("EMBER_WEIGHTS_CACHE_GB", str(64 / 2**20))  # 64 KiB: under one entry
+    assert load() == want and entries() == []
+    monkeypatch.setenv("EMBER_WEIGHTS_CACHE_GB", "0")
+    assert load() == want and entries() == []
+
+    monkeypatch.setenv("EMBER_WEIGHTS_CACHE_GB", "1")
+    real = ember_gguf.load_gguf_model
+
+    def unpicklable(*args, **kwargs):
+        model = real(*args, **kwargs)
+        model.hook = lambda: None  # a lambda cannot be pickled
+        return model
+
+    monkeypatch.setattr(ember_gguf, "load_gguf_model", unpicklable)
+    assert load() == want and entries() == []
+    with pytest.raises(ValueError, match="EMBER_WEIGHTS_CACHE_GB"):
+        monkeypatch.setenv("EMBER_WEIGHTS_CACHE_GB", "lots")
+        packed_cache.max_bytes()
 
 
 @pytest.mark.parametrize(
