@@ -483,6 +483,17 @@ GGUF_CACHE_MAX_BYTES = 512 << 20
 _CACHE_LAYOUT = 2
 
 
+def file_identity(path: str) -> tuple[str, int, int] | None:
+    """(real path, size, mtime in ns) of the file `path`, what ember's caches of it are keyed
+    by; None where it is missing."""
+    real = os.path.realpath(path)
+    try:
+        stat = os.stat(real)
+    except OSError:
+        return None
+    return real, stat.st_size, stat.st_mtime_ns
+
+
 def _cache_entry(path: str, what: str) -> str | None:
     """Where ember keeps `what` ("config", "tokenizer", "index") converted from the GGUF file
     `path`: `~/.cache/ember/gguf/<key>-<what>.pkl`, the key from the file's real path, size
@@ -491,12 +502,11 @@ def _cache_entry(path: str, what: str) -> str | None:
     import tokenizers
     import transformers
 
-    real = os.path.realpath(path)
-    try:
-        stat = os.stat(real)
-    except OSError:  # missing: `_open` names the problem
+    file = file_identity(path)
+    if file is None:  # missing: `_open` names the problem
         return None
-    ident = f"{real}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    real, size, mtime = file
+    ident = f"{real}\0{size}\0{mtime}"
     ident += f"\0{transformers.__version__}\0{tokenizers.__version__}\0{_CACHE_LAYOUT}"
     parent = private_dir(user_cache_dir("gguf"), "GGUF cache")
     if parent is None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import logging
 import mmap
 import os
@@ -73,24 +72,22 @@ def entry_path(path: str, parts: dict[str, Any]) -> str | None:
         return None
     import transformers
 
-    from ember.compiler.cache import sources_fingerprint
+    from ember.compiler.cache import entry_dir, sources_fingerprint
+    from ember.compiler.gguf import file_identity
 
-    real = os.path.realpath(path)
-    try:
-        stat = os.stat(real)
-    except OSError:
+    file = file_identity(path)
+    if file is None:
         return None
     ident = {
-        "file": [real, stat.st_size, stat.st_mtime_ns],
+        "file": list(file),
         "ember_sources_sha256": sources_fingerprint(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "format": _FORMAT,
         **parts,
     }
-    key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
     directory = private_dir(user_cache_dir("weights"), "weights cache")
-    return None if directory is None else os.path.join(directory, f"{key[:24]}.pkd")
+    return None if directory is None else entry_dir(directory, ident) + ".pkd"
 
 
 def config_digest(config: Any) -> str:
@@ -154,11 +151,13 @@ def save(entry: str | None, model: nn.Module) -> None:
     # Each storage's used bytes, once, at the same offset within a page as in memory.
     ranges: dict[int, list[int]] = {}
     storages: dict[int, torch.UntypedStorage] = {}
+    bases = []
     for t in tensors:
         start, end = _byte_range(t)
         storage = t.untyped_storage()
         base = storage.data_ptr()
         storages[base] = storage
+        bases.append(base)
         lo_hi = ranges.setdefault(base, [start, end])
         lo_hi[0], lo_hi[1] = min(lo_hi[0], start), max(lo_hi[1], end)
     placed: dict[int, int] = {}  # storage base -> file offset of its range's first byte
@@ -168,8 +167,7 @@ def save(entry: str | None, model: nn.Module) -> None:
         placed[base] = cursor
         cursor += hi - lo
     table = []
-    for t in tensors:
-        base = t.untyped_storage().data_ptr()
+    for t, base in zip(tensors, bases, strict=True):
         offset = placed[base] + t.data_ptr() - ranges[base][0]
         param = type(t) is nn.Parameter
         table.append((offset, str(t.dtype), tuple(t.shape), t.stride(), param, t.requires_grad))
@@ -184,7 +182,9 @@ def save(entry: str | None, model: nn.Module) -> None:
         regions.append((placed[base], whole[lo - base : hi - base]))
     header = _HEADER.pack(_MAGIC, cursor, len(tail))
     thread = threading.Thread(
-        target=_write, args=(entry, header, regions, cursor, tail, cap), name="ember-weights-cache"
+        target=_write,
+        args=(entry, header, regions, cursor, tail, cap - size),
+        name="ember-weights-cache",
     )
     with _writers_lock:
         _writers.append(thread)
@@ -209,12 +209,13 @@ def _write(
     regions: list[tuple[int, torch.Tensor]],
     cursor: int,
     tail: bytes,
-    cap: int,
+    room: int,
 ) -> None:
+    """Write the entry (`save`), after pruning the others down to `room` bytes."""
     directory = os.path.dirname(entry)
     tmp = None
     try:
-        prune_cache(directory, max(cap - cursor - len(tail), 0))
+        prune_cache(directory, room)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
         with os.fdopen(fd, "wb") as f:
             f.write(header)
@@ -249,8 +250,9 @@ class _Unpickler(pickle.Unpickler):
         if t is None:
             offset, dtype, shape, stride, param, grad = self._table[index]
             dtype = getattr(torch, dtype.removeprefix("torch."))
-            size = torch.empty((), dtype=dtype).element_size()
-            t = torch.empty(0, dtype=dtype).set_(self._whole, offset // size, shape, stride)
+            t = torch.empty(0, dtype=dtype).set_(
+                self._whole, offset // dtype.itemsize, shape, stride
+            )
             if param:
                 t = nn.Parameter(t, requires_grad=grad)
             self._built[index] = t
