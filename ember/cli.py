@@ -128,11 +128,6 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     return 0
 
 
-# What forcing the AVX2 paths sets for ATen and oneDNN; read when torch is imported, so a bench
-# run with `--cpu-isa avx2` starts itself again with them.
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.serve:
         from ember.tools.serve_bench import run_serve_bench  # noqa: PLC0415
@@ -145,8 +140,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"serving benchmark against {args.serve} ({args.served_model}), request rate "
               f"{args.request_rate}/s:\n{result.summary()}")  # fmt: skip
         return 0 if result.errors == 0 else 1
-    if args.cpu_isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
-        env = dict(os.environ, **AVX2_ENV)
+    if args.cpu_isa == "avx2" and host.host_isa() != "avx2":
+        # The whole process as an AVX2-only host (ATen and oneDNN read their caps when torch
+        # runs its first kernel), so it starts itself again under the switch.
+        env = dict(os.environ, **{host.HOST_ISA_ENV: "avx2"}, **host.AVX2_ENV)
         # The same ember as this process (not whichever `python -m` finds first from the cwd).
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         code = f"import sys; sys.path[0] = {root!r}; from ember.cli import main; sys.exit(main())"

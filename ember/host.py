@@ -31,17 +31,70 @@ logger = logging.getLogger("ember")
 # no AVX-512), to take the AVX2 paths on an AVX-512 machine.
 CPU_ISAS = ("native", "avx2")
 
+# The one switch that makes a process behave as an AVX2-only host (an older AMD EPYC, say) on
+# any x86-64-v3 CPU: `EMBER_CPU_ISA=avx2` in its environment. Then ember sees no AVX-512, AMX or
+# AVX-VNNI flag (so no native bf16 math), builds its kernels for x86-64-v3 (`cpu_isa="native"`
+# means "avx2"), and caps ATen and oneDNN at AVX2 (`AVX2_ENV`, set on import of this module).
+# It is an environment variable, not an engine knob, because ATen and oneDNN read theirs once
+# per process at their first kernel, and because child processes (compile workers, tests'
+# subprocesses) must behave as the same host.
+HOST_ISA_ENV = "EMBER_CPU_ISA"
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# /proc/cpuinfo flags an AVX2-only x86 CPU lacks (AMD Zen 2 has none of them).
+_PAST_AVX2 = ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert", "avx10")
+
+
+@functools.cache
+def host_isa() -> str:
+    """"avx2" where this process behaves as an AVX2-only host (`EMBER_CPU_ISA=avx2`), else
+    "native" (the CPU as it is). Any other value of the variable is a ValueError."""
+    value = os.environ.get(HOST_ISA_ENV, "native").strip().lower() or "native"
+    if value not in CPU_ISAS:
+        raise ValueError(f"{HOST_ISA_ENV} must be one of {CPU_ISAS}, got {value!r}")
+    return value
+
+
+def resolve_isa(isa: str) -> str:
+    """The build of ember's kernels that `cpu_isa=isa` means in this process: "native" is
+    "avx2" on a host forced to AVX2 (one build, one name)."""
+    return "avx2" if isa == "native" and host_isa() == "avx2" else isa
+
+
+def check_host_isa() -> None:
+    """Raise ValueError where `EMBER_CPU_ISA=avx2` came too late for ATen: it had already
+    chosen its wider kernels (before this module set `ATEN_CPU_CAPABILITY`)."""
+    if host_isa() != "avx2":
+        return
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "DEFAULT", "NO AVX"):
+        raise ValueError(
+            f"{HOST_ISA_ENV}=avx2: ATen already runs its {capability} kernels in this process "
+            "(it chose them at its first kernel, before ember was imported); set "
+            f"{HOST_ISA_ENV}=avx2 in the environment before Python starts"
+        )
+
+
+if host_isa() == "avx2":
+    os.environ.update(AVX2_ENV)
+
 
 @functools.cache
 def _cpu_flags() -> frozenset[str]:
+    """The CPU's /proc/cpuinfo flags, less those past AVX2 on a host forced to AVX2."""
+    flags: frozenset[str] = frozenset()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                    flags = frozenset(line.split(":", 1)[1].split())
+                    break
     except OSError:
         pass
-    return frozenset()
+    if host_isa() == "avx2":
+        flags = frozenset(f for f in flags if not f.startswith(_PAST_AVX2))
+    return flags
 
 
 def cpu_has_native_bf16(isa: str = "native") -> bool:

@@ -92,6 +92,26 @@ def vec_isa_probes(known: Iterable[str] = ()) -> Iterator[list[str]]:
         VecISA._probe_load = original
 
 
+def tag_vec_isa() -> None:
+    """Add the vector ISA inductor generates code for (`pick_vec_isa`, which follows
+    `ATEN_CPU_CAPABILITY`) to torch's `cache_key_tag`. Torch's FX graph cache keys a graph
+    without it, so a process capped at AVX2 (`EMBER_CPU_ISA=avx2`, `ember bench --cpu-isa
+    avx2`) was served the AVX-512 process's generated code from the shared inductor cache and
+    built it with AVX2 flags, and the other way round: 8-lane loops over 16-lane vectors
+    corrupted the heap, 16-lane loops over 8-lane ones left half of each row unwritten
+    (tests/kernels/test_linears.py's fused projections, seen on Intel Xeon with AMX). Idempotent;
+    the tag stays for the process, whose ISA does not change."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        tag = "ember-vec-" + (str(pick_vec_isa()).replace(" ", "+") or "none")
+    except (ImportError, AttributeError):
+        return
+    current = torch.compiler.config.cache_key_tag
+    if tag not in current.split("|"):
+        torch.compiler.config.cache_key_tag = f"{current}|{tag}" if current else tag
+
+
 @contextlib.contextmanager
 def compile_settings(freezing: bool, inductor_cache_dir: str | None = None) -> Iterator[None]:
     """Settings in force while graphs are compiled (warm-up), never set at import.
@@ -110,6 +130,7 @@ def compile_settings(freezing: bool, inductor_cache_dir: str | None = None) -> I
     - `inductor_cache_dir`: where inductor keeps FX graphs and built C++ kernels while this
       context is open (torch reads it from the environment on every lookup); restored after.
     """
+    tag_vec_isa()
     previous = os.environ.get(_CACHE_ENV)
     if inductor_cache_dir is not None:
         os.environ[_CACHE_ENV] = inductor_cache_dir

@@ -76,7 +76,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ember.host import cpu_target, native_enables, private_dir, user_cache_dir
+from ember.host import cpu_target, native_enables, private_dir, resolve_isa, user_cache_dir
 
 logger = logging.getLogger("ember")
 
@@ -144,7 +144,17 @@ def panel_width() -> int:
     build `prebuild` started (else the native one), so weights can be laid out while it
     builds: two vectors of fp32, 32 where the build targets AVX-512F, else 16 (checked when
     the build loads)."""
-    return _panel or _expected_panel(_prebuild_isa or "native")
+    return _panel or _expected_panel(_default_isa())
+
+
+def _default_isa() -> str:
+    """The build a `load()` without an ISA takes: the one `prebuild` started, else native."""
+    return _prebuild_isa or resolve_isa("native")
+
+
+def _resolved(isa: str | None) -> str | None:
+    """`isa` as a build's name (`ember.host.resolve_isa`); None stays None."""
+    return None if isa is None else resolve_isa(isa)
 
 
 def _expected_panel(isa: str) -> int:
@@ -174,12 +184,13 @@ def ready() -> bool:
     """True when the kernels are loaded, or built on disk for the ISA a `prebuild` started
     (else the native one), so that `load` takes about 0.1 s: loaders use the kernels' packers
     then, and their PyTorch equivalents while a first build is still compiling."""
-    return _loaded_isa is not None or os.path.exists(_build(_prebuild_isa or "native").library)
+    return _loaded_isa is not None or os.path.exists(_build(_default_isa()).library)
 
 
 def isa_conflict(isa: str | None) -> str | None:
     """Why this process cannot run ember's kernels for `isa` (it loaded another build: a
     process holds one), or None."""
+    isa = _resolved(isa)
     if _loaded_isa is None or isa in (None, _loaded_isa):
         return None
     return (
@@ -196,6 +207,7 @@ def load(isa: str | None = None) -> None:
     compiler, as inductor does; raises RuntimeError naming the build dir if the build fails.
     Waits for a `prebuild` in flight."""
     global _loaded_isa
+    isa = _resolved(isa)
     if _loaded_isa is not None and isa in (None, _loaded_isa):
         return
     with _loading:
@@ -204,7 +216,7 @@ def load(isa: str | None = None) -> None:
             if conflict is not None:
                 raise RuntimeError(conflict)
             return
-        isa = isa or _prebuild_isa or "native"
+        isa = isa or _default_isa()
         _build_and_load(isa)
         _loaded_isa = isa
 
@@ -220,7 +232,7 @@ def prebuild(isa: str | None = None) -> None:
     global _prebuilding, _prebuild_isa
     if _loaded_isa is not None or _prebuilding is not None:
         return
-    _prebuild_isa = isa or "native"
+    _prebuild_isa = resolve_isa(isa or "native")
     # The compiler starts here, not in the thread: the thread would wait for the GIL and the
     # import lock behind the caller's imports (its first log line came 6.6 s after start).
     if _loading.acquire(blocking=False):  # else a load is under way
@@ -450,6 +462,7 @@ def _build_failed(isa: str | None) -> str | None:
 def available(isa: str | None = None) -> bool:
     """True when the kernels are loaded (for `isa`, as `load` takes it); False (logged once)
     when they cannot be built here, and callers with a pure-PyTorch path take it."""
+    isa = _resolved(isa)
     if _loaded_isa is not None and isa in (None, _loaded_isa):
         return True
     return _build_failed(isa) is None

@@ -28,7 +28,13 @@ from ember.compiler.hf_config import (
     resolve_model,
 )
 from ember.compiler.quant import QUANTIZATIONS
-from ember.host import CPU_ISAS, cpu_has_native_bf16, default_compile_cache_dir
+from ember.host import (
+    CPU_ISAS,
+    check_host_isa,
+    cpu_has_native_bf16,
+    default_compile_cache_dir,
+    resolve_isa,
+)
 from ember.runtime.pooling import max_seq_length
 
 _DTYPES = {
@@ -168,17 +174,27 @@ class EngineArgs:
         model = resolve_model(self.model, self.revision, self.load_format)
         if model != self.model:  # a hub id: every later read is of the local snapshot
             return dataclasses.replace(self, model=model, revision=None).create_engine_config()
-        if self.cpu_isa in CPU_ISAS:
-            conflict = kernels.isa_conflict(self.cpu_isa)
-            if conflict is not None:
-                raise ValueError(conflict)
-            kernels.prebuild(self.cpu_isa)  # a first build overlaps reading the checkpoint
+        check_host_isa()
+        if self.cpu_isa not in CPU_ISAS:
+            raise ValueError(f"cpu_isa must be one of {CPU_ISAS}, got {self.cpu_isa!r}")
+        cpu_isa = resolve_isa(self.cpu_isa)  # "native" on a host forced to AVX2 is "avx2"
+        conflict = kernels.isa_conflict(cpu_isa)
+        if conflict is not None:
+            raise ValueError(conflict)
+        kernels.prebuild(cpu_isa)  # a first build overlaps reading the checkpoint
         spec = read_model_spec(self.model)
         dtype, quantization = self.dtype, self.quantization
         if dtype == "int8":
             dtype, quantization = "float32", "int8"
-        if quantization is not None and dtype == "auto":
-            dtype = "float32"  # quantized weights compute in fp32 on every CPU
+        if quantization is not None:
+            # Quantized weights compute in fp32 on every CPU; the same rule on every CPU, so
+            # a config valid on one machine is valid on all (bf16 means fp32 math on AVX2).
+            if dtype not in ("auto", "float32", torch.float32):
+                raise ValueError(
+                    f"quantization={quantization!r} computes in float32; dtype must be "
+                    f"float32 (or auto), got {dtype!r}"
+                )
+            dtype = "float32"
         if spec.gguf_file is not None:
             if quantization is not None:
                 raise ValueError(
@@ -206,8 +222,6 @@ class EngineArgs:
                 f"max_model_len must be <= the model's max_position_embeddings={max_positions}, "
                 f"got {max_model_len}"
             )
-        if self.cpu_isa not in CPU_ISAS:
-            raise ValueError(f"cpu_isa must be one of {CPU_ISAS}, got {self.cpu_isa!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         check_weights_format(self.model, self.load_format)
@@ -215,7 +229,7 @@ class EngineArgs:
         if not isinstance(gc, str) or (gc not in ("auto", "vllm") and not os.path.isdir(gc)):
             raise ValueError(f"generation_config must be auto, vllm or a directory, got {gc!r}")
         weight_dtype = resolve_dtype(dtype, spec.checkpoint_dtype)
-        run_dtype = compute_dtype(weight_dtype, self.cpu_isa)
+        run_dtype = compute_dtype(weight_dtype, cpu_isa)
         # "auto": as narrow as the weights where steps decode (an encoder-only model attends
         # each input once, so its cache is only a staging area: kept in the math's dtype).
         narrow = run_dtype if spec.task == "embed" else weight_dtype
@@ -240,7 +254,7 @@ class EngineArgs:
             weight_dtype=weight_dtype,
             kv_dtype=kv_dtype,
             quantization=quantization,
-            cpu_isa=self.cpu_isa,
+            cpu_isa=cpu_isa,
             kv_cache_gib=self.kv_cache_gib,
             block_size=self.block_size,
             max_num_seqs=self.max_num_seqs,
