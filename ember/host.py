@@ -46,8 +46,8 @@ _PAST_AVX2 = ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert", "avx10"
 
 @functools.cache
 def host_isa() -> str:
-    """"avx2" where this process behaves as an AVX2-only host (`EMBER_CPU_ISA=avx2`), else
-    "native" (the CPU as it is). Any other value of the variable is a ValueError."""
+    """The host this process behaves as: "avx2" for an AVX2-only host (`EMBER_CPU_ISA=avx2`),
+    else "native" (the CPU as it is). Any other value of the variable is a ValueError."""
     value = os.environ.get(HOST_ISA_ENV, "native").strip().lower() or "native"
     if value not in CPU_ISAS:
         raise ValueError(f"{HOST_ISA_ENV} must be one of {CPU_ISAS}, got {value!r}")
@@ -78,6 +78,12 @@ def check_host_isa() -> None:
 
 if host_isa() == "avx2":
     os.environ.update(AVX2_ENV)
+
+
+def beyond_avx2() -> bool:
+    """Whether the CPU, as this process sees it, has vector extensions past AVX2 (AVX-512,
+    AMX, AVX-VNNI): False on an AVX2-only host, real or forced, and off x86."""
+    return any(f.startswith(_PAST_AVX2) for f in _cpu_flags())
 
 
 @functools.cache

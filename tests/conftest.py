@@ -13,6 +13,10 @@ import tempfile
 import pytest
 import torch
 
+import ember.host  # noqa: F401  (EMBER_CPU_ISA=avx2 caps ATen before torch runs its first kernel)
+
+pytest_plugins = ["tests.host_isa"]
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Triton kernels (the "triton" attention backend) run in Triton's CPU interpreter here. Triton

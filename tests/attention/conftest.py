@@ -1,5 +1,6 @@
 """Keep the default run fast: Triton's CPU interpreter runs about a second per case, so most of
-its full oracle grid is marked `slow`; block size 4 (several blocks per key tile) stays in."""
+its full oracle grid is marked `slow`; block size 4 (several blocks per key tile) stays in. The
+Triton and IPEX cases run on this CPU only (no `[avx2-host]` run: tests/host_isa.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,12 @@ import pytest
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         spec = getattr(item, "callspec", None)
+        if spec is not None and spec.params.get("backend", spec.params.get("name")) in (
+            "triton",
+            "ipex",
+        ):
+            # Triton's interpreter and IPEX's stand-in run no code of ember's ISA-built kernels.
+            item.add_marker(pytest.mark.one_host("not ember's kernels"))
         if (
             spec is not None
             and spec.params.get("backend") == "triton"

@@ -18,6 +18,8 @@ from ember.runtime.config import EngineArgs
 from tests.attention.test_paged_attention import _run_case, load_backend
 from tests.conftest import hf_greedy, make_prompts
 
+pytestmark = pytest.mark.host_isa  # on this CPU and as an AVX2-only host: tests/host_isa.py
+
 FP32 = AttentionFeatures(kv_dtype=torch.float32)
 
 

@@ -16,6 +16,8 @@ from ember.attention import BackendUnavailableError, select_backend
 from ember.attention.metadata import build_attention_metadata
 from ember.attention.reference import ref_attention
 
+pytestmark = pytest.mark.host_isa  # on this CPU and as an AVX2-only host: tests/host_isa.py
+
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 BACKENDS = ["torch", "triton", "ipex"]
 

@@ -12,6 +12,8 @@ from ember.compiler.quant import Int8Linear, quantize_int8_
 from ember.tools import bench
 from tests.conftest import make_prompts
 
+pytestmark = pytest.mark.host_isa  # on this CPU and as an AVX2-only host: tests/host_isa.py
+
 
 def _naive_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8, written out: (int8 weight, fp32 scales)."""

@@ -1,13 +1,9 @@
 """Narrow weights by default: `dtype="auto"` keeps a bf16 checkpoint's linear weights in bf16.
-Where the CPU lacks native bf16 math (forced here with `cpu_isa="avx2"`, in a process of its
-own), the math is fp32 and the kernels widen the weights, so greedy output is token-identical
+Where the CPU lacks native bf16 math (an AVX2-only host, and every test's `[avx2-host]` run:
+tests/host_isa.py), the math is fp32 and the kernels widen the weights, so greedy output is token-identical
 to HF transformers running the same (bf16-valued) weights in fp32."""
 
 from __future__ import annotations
-
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +12,8 @@ from ember import LLM, SamplingParams, kernels
 from ember.host import cpu_has_native_bf16
 from ember.tools.bench import teacher_forced_ranks
 from tests.conftest import build_tiny_bart, build_tiny_bert, hf_bart_greedy, hf_greedy, make_prompts
+
+pytestmark = pytest.mark.host_isa  # on this CPU and as an AVX2-only host: tests/host_isa.py
 
 
 def _linear_weight_dtypes(llm: LLM) -> set[torch.dtype]:
@@ -35,28 +33,6 @@ def test_auto_keeps_a_bf16_checkpoint_narrow(checkpoint_dir):
         assert (llm.config.weight_dtype, llm.config.dtype) == (torch.float32, torch.float32)
 
 
-_CHILD = """
-import json, sys
-import torch
-from ember import LLM, SamplingParams
-d, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-result = {}
-for kv_cache_dtype in ("float32", "auto"):
-    llm = LLM(model=d, cpu_isa="avx2", kv_cache_gib=0.01, max_model_len=128, use_tqdm=False,
-              kv_cache_dtype=kv_cache_dtype)
-    assert (llm.config.dtype, llm.config.weight_dtype) == (torch.float32, torch.bfloat16)
-    model = llm.llm_engine.runner.model
-    dtypes = sorted({str(m.weight.dtype) for m in model.modules() if hasattr(m, "in_features")})
-    kv = sorted({str(c.dtype) for c in llm.llm_engine.runner.kv_caches})
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    tokens = [o.outputs[0].token_ids for o in outs]
-    result[kv_cache_dtype] = {"tokens": tokens, "weights": dtypes, "kv": kv}
-    llm.close()
-print(json.dumps(result))
-"""
-
-
 def _ranks_in_hf_fp32(model_dir: str, prompts: list[list[int]], outs: list[list[int]]) -> list[int]:
     """`teacher_forced_ranks` of every generated token in HF fp32 (0 = HF's own argmax)."""
     from transformers import AutoModelForCausalLM
@@ -65,24 +41,32 @@ def _ranks_in_hf_fp32(model_dir: str, prompts: list[list[int]], outs: list[list[
     return [r for p, g in zip(prompts, outs, strict=True) for r in teacher_forced_ranks(hf, p, g)]
 
 
+def _needs_fp32_math() -> None:
+    if cpu_has_native_bf16():
+        pytest.skip("bf16 math is native here; the [avx2-host] run checks fp32 math")
+
+
 def test_bf16_weights_fp32_math_match_hf_fp32_compiled(checkpoint_dir):
-    """With AVX2 forced: a float32 cache is token-identical to HF in fp32; the default cache
-    (bf16, as narrow as the weights) stays within HF fp32's top 5, mostly its argmax."""
+    """Without native bf16 math: a float32 cache is token-identical to HF in fp32 (compiled);
+    the default cache (bf16, as narrow as the weights) stays within HF fp32's top 5, mostly
+    its argmax."""
+    _needs_fp32_math()
     d = checkpoint_dir("tiny-llama", dtype=torch.bfloat16, initializer_range=0.3)
-    prompts = make_prompts(4, seed=3)
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, d, json.dumps(prompts), "12"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    exact, default = got["float32"], got["auto"]
-    assert exact["weights"] == ["torch.bfloat16"] and exact["kv"] == ["torch.float32"]
-    assert exact["tokens"] == hf_greedy(d, prompts, 12, dtype=torch.float32)
-    assert default["weights"] == ["torch.bfloat16"] and default["kv"] == ["torch.bfloat16"]
-    ranks = _ranks_in_hf_fp32(d, prompts, default["tokens"])
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(4, seed=3)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = {}
+    for kv_cache_dtype, compiled in (("float32", True), ("auto", False)):
+        kw = dict(kv_cache_gib=0.01, max_model_len=128, use_tqdm=False, compile=compiled)
+        with LLM(model=d, kv_cache_dtype=kv_cache_dtype, **kw) as llm:
+            assert (llm.config.dtype, llm.config.weight_dtype) == (torch.float32, torch.bfloat16)
+            assert _linear_weight_dtypes(llm) == {torch.bfloat16}
+            kv = {c.dtype for c in llm.llm_engine.runner.kv_caches}
+            assert kv == {torch.float32 if kv_cache_dtype == "float32" else torch.bfloat16}
+            outs = llm.generate(prompts, params)
+            got[kv_cache_dtype] = [o.outputs[0].token_ids for o in outs]
+    ids = [p["prompt_token_ids"] for p in prompts]
+    assert got["float32"] == hf_greedy(d, ids, 12, dtype=torch.float32)
+    ranks = _ranks_in_hf_fp32(d, ids, got["auto"])
     assert max(ranks) < 5 and sum(r == 0 for r in ranks) >= 0.75 * len(ranks), ranks
 
 
@@ -108,42 +92,24 @@ def test_a_bf16_kv_cache_under_fp32_math(checkpoint_dir, compiled):
     assert max(ranks) < 5 and sum(r == 0 for r in ranks) >= 0.75 * len(ranks), ranks
 
 
-_CHILD_ENCODERS = """
-import json, sys
-import torch
-from ember import LLM, SamplingParams
-bart, bert = sys.argv[1], sys.argv[2]
-kw = dict(cpu_isa="avx2", compile=False, kv_cache_gib=0.01, use_tqdm=False)
-out = {}
-with LLM(model=bart, kv_cache_dtype="float32", **kw) as llm:
-    assert (llm.config.dtype, llm.config.weight_dtype) == (torch.float32, torch.bfloat16)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    prompt = {"encoder_prompt": {"prompt_token_ids": [5, 6, 7, 8, 9, 10]}, "decoder_prompt": ""}
-    out["bart"] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-with LLM(model=bert, **kw) as llm:
-    out["bert"] = llm.embed([{"prompt_token_ids": [2, 5, 6, 7, 8, 3]}], use_tqdm=False)[
-        0
-    ].outputs.embedding
-print(json.dumps(out))
-"""
-
-
 def test_encoder_decoder_and_encoder_with_bf16_weights_fp32_math(tmp_path):
     """BART (learned positions, a bias on the logits) and BERT (position and token-type
     embeddings, LayerNorms) stored in bf16: the non-linear parameters are widened, the linears
     read bf16, and the results equal HF's in fp32 on the same weights."""
     from transformers import BertModel
 
+    _needs_fp32_math()
     bart = build_tiny_bart(str(tmp_path / "b"), 200, torch.bfloat16)
     bert = build_tiny_bert(str(tmp_path / "e"), torch.bfloat16)
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD_ENCODERS, bart, bert],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    kw = dict(compile=False, kv_cache_gib=0.01, use_tqdm=False)
+    got = {}
+    with LLM(model=bart, kv_cache_dtype="float32", **kw) as llm:
+        assert (llm.config.dtype, llm.config.weight_dtype) == (torch.float32, torch.bfloat16)
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        prompt = {"encoder_prompt": {"prompt_token_ids": [5, 6, 7, 8, 9, 10]}, "decoder_prompt": ""}
+        got["bart"] = llm.generate([prompt], params)[0].outputs[0].token_ids
+    with LLM(model=bert, **kw) as llm:
+        got["bert"] = llm.embed([{"prompt_token_ids": [2, 5, 6, 7, 8, 3]}])[0].outputs.embedding
     assert got["bart"] == hf_bart_greedy(bart, [([5, 6, 7, 8, 9, 10], [])], 8)[0]
     with torch.no_grad():
         bert = BertModel.from_pretrained(bert, dtype=torch.float32).eval()

@@ -1,13 +1,9 @@
 """ember's linear kernels against float64 / fp32 references at odd sizes and opcheck: the packed
 kernel (fp32, bf16 and int8 weights: every row-block size, k slices, partial panels) and the
-[N, K]-layout ones (GEMV, tiles, whole widening). The AVX2 build (`cpu_isa="avx2"`) runs the same checks in a process of
-its own (one kernel build per process)."""
+[N, K]-layout ones (GEMV, tiles, whole widening). The AVX2 build runs the same checks in every
+test's `[avx2-host]` run (tests/host_isa.py)."""
 
 from __future__ import annotations
-
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +11,10 @@ import torch
 from ember import kernels
 from tests.conftest import group_quantized_x
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler")
+pytestmark = [
+    pytest.mark.skipif(not kernels.available(), reason="no C++ compiler"),
+    pytest.mark.host_isa,  # the x86-64-v3 build too: tests/host_isa.py
+]
 
 # The register-blocked GEMV (<= 64 rows; fp32 weights <= 16), then whole-weight widening into
 # one GEMM (fp32 weights: ATen's GEMM); odd row counts hit every block remainder (4 rows each).
@@ -433,21 +432,6 @@ def test_group_linear_contract():
         step = d.float().repeat_interleave(32, dim=1).abs()
         bound = 1.0 if (bits, symmetric) == (4, True) else 0.5
         assert ((back - w).abs() <= step * bound + 1e-3).all(), (bits, symmetric)
-
-
-def test_avx2_build_passes_the_same_checks():
-    """The AVX2 paths (no AVX-512) on whatever machine runs the tests: these linear checks,
-    the paged-attention kernel's and `row_max`'s."""
-    attention = str(pathlib.Path(__file__).parents[1] / "attention" / "test_paged_attention.py")
-    row_max = str(pathlib.Path(__file__).parent / "test_row_max.py")
-    code = (
-        "import sys, pytest; from ember import kernels; kernels.load('avx2'); "
-        "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-k', 'not avx2 and not triton and not ipex', "
-        f"{__file__!r}, {attention!r}, {row_max!r}]))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert kernels.loaded_isa() != "avx2"  # this process kept its own build
 
 
 class _Block(torch.nn.Module):

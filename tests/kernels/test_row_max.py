@@ -8,7 +8,10 @@ import torch
 
 from ember import kernels
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler")
+pytestmark = [
+    pytest.mark.skipif(not kernels.available(), reason="no C++ compiler"),
+    pytest.mark.host_isa,  # the x86-64-v3 build too: tests/host_isa.py
+]
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 16, 17, 33, 1000, 32000, 151936])

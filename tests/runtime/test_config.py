@@ -12,6 +12,8 @@ from ember import LLM
 from ember.runtime.config import EngineArgs, resolve_dtype, resolve_kv_cache_dtype
 from tests.conftest import build_tiny_bert
 
+pytestmark = pytest.mark.host_isa  # on this CPU and as an AVX2-only host: tests/host_isa.py
+
 
 @pytest.mark.parametrize(
     "kwargs,knob",
