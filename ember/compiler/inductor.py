@@ -93,20 +93,16 @@ def vec_isa_probes(known: Iterable[str] = ()) -> Iterator[list[str]]:
 
 
 def tag_vec_isa() -> None:
-    """Add the vector ISA inductor generates code for (`pick_vec_isa`, which follows
-    `ATEN_CPU_CAPABILITY`) to torch's `cache_key_tag`. Torch's FX graph cache keys a graph
-    without it, so a process capped at AVX2 (`EMBER_CPU_ISA=avx2`, `ember bench --cpu-isa
-    avx2`) was served the AVX-512 process's generated code from the shared inductor cache and
-    built it with AVX2 flags, and the other way round: 8-lane loops over 16-lane vectors
-    corrupted the heap, 16-lane loops over 8-lane ones left half of each row unwritten
-    (tests/kernels/test_linears.py's fused projections, seen on Intel Xeon with AMX). Idempotent;
-    the tag stays for the process, whose ISA does not change."""
-    try:
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-        tag = "ember-vec-" + (str(pick_vec_isa()).replace(" ", "+") or "none")
-    except (ImportError, AttributeError):
-        return
+    """Add ATen's CPU capability to torch's `cache_key_tag`: inductor generates code for the
+    vector ISA it follows (`ATEN_CPU_CAPABILITY`), and torch's FX graph cache keys a graph
+    without it. A process capped at AVX2 (`EMBER_CPU_ISA=avx2`, `ember bench --cpu-isa avx2`)
+    was served an AVX-512 process's generated code from the shared inductor cache and built it
+    with AVX2 flags, and the other way round: 8-lane loops over 16-lane vectors corrupted the
+    heap, 16-lane loops over 8-lane ones left half of each row unwritten
+    (tests/kernels/test_linears.py's fused projections, Intel Xeon with AMX). ATen's answer, not
+    inductor's own pick: that one probes by building and loading test libraries (~1 s of a
+    warm start). Idempotent; the tag stays for the process, whose capability does not change."""
+    tag = f"ember-aten-{torch.backends.cpu.get_cpu_capability().replace(' ', '_')}"
     current = torch.compiler.config.cache_key_tag
     if tag not in current.split("|"):
         torch.compiler.config.cache_key_tag = f"{current}|{tag}" if current else tag
