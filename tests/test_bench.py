@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -62,6 +65,7 @@ def test_bench_workloads_run_and_report(checkpoint_dir):
     assert "of it" in bench.format_table(dataclasses.replace(report, workload=lat))
 
 
+@pytest.mark.slow  # torch.compile of HF's model (~7-12 s); a benchmark's reference only
 def test_hf_static_compile_reference_runs(checkpoint_dir):
     """The static-cache torch.compile HF baseline (W-LAT's second reference) runs and reports."""
     d = checkpoint_dir("tiny-llama")
@@ -70,46 +74,31 @@ def test_hf_static_compile_reference_runs(checkpoint_dir):
     assert r.engine == "hf-static-compile" and r.tpot_ms > 0 and r.startup_s > 0
 
 
-def test_benchmark_suites_import_and_attention_smoke(tmp_path):
-    """The pytest-benchmark suites collect, and the op suites run once per case (no timing)."""
-    import os
-    import subprocess
-    import sys
+_BENCH = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-disable"]
 
-    run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-disable"]
-    smoke = subprocess.run(
+
+def test_benchmark_suites_import_and_attention_smoke():
+    """The pytest-benchmark suites collect, and the op suites run once per case (no timing)."""
+    ops = subprocess.run(
         [
-            *run,
+            *_BENCH,
             "benchmarks/bench_attention.py",
+            "benchmarks/bench_linear.py",
+            "benchmarks/bench_lora_ops.py",
             "-k",
-            "torch and (b1_ctx128 or prefill_512 or mixed)",
+            "(bench_attention and torch and (b1_ctx128 or prefill_512 or mixed)) or "
+            "((bench_linear or bench_lora_ops) and 1-)",
+            "-rA",
         ],
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert smoke.returncode == 0, smoke.stdout[-2000:]
-    assert "3 passed" in smoke.stdout
-    ops = subprocess.run(
-        [*run, "benchmarks/bench_linear.py", "benchmarks/bench_lora_ops.py", "-k", "1-"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
     assert ops.returncode == 0, ops.stdout[-2000:]
-    # The end-to-end workload suite on a tiny shape: compiled ember and HF eager, fp32 W-LAT.
-    e2e = subprocess.run(
-        [*run, "benchmarks/bench_workloads.py", "-k", "float32 and lat", "-s"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "EMBER_BENCH_SHAPES": "tiny-llama", "XDG_CACHE_HOME": str(tmp_path)},
-    )
-    assert e2e.returncode == 0, e2e.stdout[-2000:]
-    assert "2 passed" in e2e.stdout and "out tok/s" in e2e.stdout
+    assert ops.stdout.count("PASSED benchmarks/bench_attention.py::") == 3
     collect = subprocess.run(
         [
-            *run,
+            *_BENCH,
             "--collect-only",
             "benchmarks/bench_embed.py",
             "benchmarks/bench_lora.py",
@@ -123,3 +112,17 @@ def test_benchmark_suites_import_and_attention_smoke(tmp_path):
     assert collect.returncode == 0, collect.stdout[-2000:]
     # Only benchmarks: a helper imported under a bench_* name would be collected (and fail).
     assert "bench_checkpoint" not in collect.stdout and "bench_warm_start" in collect.stdout
+
+
+@pytest.mark.slow  # compiles ember (~30 s)
+def test_the_workload_suite_runs_on_a_tiny_shape(tmp_path):
+    """The end-to-end workload suite on a tiny shape: compiled ember and HF eager, fp32 W-LAT."""
+    e2e = subprocess.run(
+        [*_BENCH, "benchmarks/bench_workloads.py", "-k", "float32 and lat", "-s"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "EMBER_BENCH_SHAPES": "tiny-llama", "XDG_CACHE_HOME": str(tmp_path)},
+    )
+    assert e2e.returncode == 0, e2e.stdout[-2000:]
+    assert "2 passed" in e2e.stdout and "out tok/s" in e2e.stdout

@@ -1,10 +1,11 @@
 """Keep the default run fast: Triton's CPU interpreter runs about a second per case, so most of
-its full oracle grid is marked `slow`; block size 4 (several blocks per key tile) stays in. The
+its full oracle grid is marked `slow`; block size 4 (several blocks per key tile) in fp32 stays in. The
 Triton and IPEX cases run on this CPU only (no `[avx2-host]` run: tests/host_isa.py)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -20,7 +21,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             spec is not None
             and spec.params.get("backend") == "triton"
             and item.originalname == "test_paged_attention_matches_reference"
-            and spec.params.get("block_size") != 4
+            and (spec.params.get("block_size") != 4 or spec.params.get("dtype") != torch.float32)
         ):
             item.add_marker(pytest.mark.slow)
 

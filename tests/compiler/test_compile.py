@@ -85,7 +85,11 @@ def test_token_buckets_are_validated(checkpoint_dir):
         LLM(model=checkpoint_dir("tiny-llama"), compile=False, token_buckets=(4, 2))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    # tiny-qwen2 (biases on q/k/v) compiles in the int8 and GGUF tests too
+    "family",
+    [f if f != "tiny-qwen2" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES],
+)
 def test_compiled_graph_count_no_breaks_and_matches_hf(checkpoint_dir, family, monkeypatch):
     """Static buckets (1, 2) plus one dynamic-token graph for 3..8 tokens: 3 graphs, compiled
     by 3 processes at once (`capture.prepare_graphs`): this one traces only the first, and the
@@ -195,69 +199,73 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def test_compile_cache_round_trip_ember_warmup_then_engine(checkpoint_dir, tmp_path):
-    """`ember warmup` fills the default compile cache, which an engine uses unless told
-    otherwise (`compile_cache_dir="auto"`, as vLLM caches by default)."""
-    d = checkpoint_dir("tiny-qwen2")
-    cache_dir = str(tmp_path / "xdg" / "ember" / "compile")
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "default_inductor"))
-    env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), EMBER_DISABLE_COMPILE_CACHE="0")
+class _WarmupCache:
+    """`ember warmup` and engines in fresh processes over one default compile cache."""
 
-    def run(*args: str) -> subprocess.CompletedProcess:
+    def __init__(self, model: str, tmp_path) -> None:
+        self.model = model
+        self.cache_dir = str(tmp_path / "xdg" / "ember" / "compile")
+        self.env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "default_inductor"))
+        self.env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), EMBER_DISABLE_COMPILE_CACHE="0")
+
+    def run(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, *args],
             capture_output=True,
             text=True,
             timeout=900,
-            env=env,
+            env=self.env,
             check=True,
         )
 
-    def warmup(block_size: int) -> subprocess.CompletedProcess:
-        return run(
-            "-m",
-            "ember.cli",
-            "warmup",
-            "--model",
-            d,
-            "--dtype",
-            "float32",
-            "--kv-cache-gib",
-            "0.01",
-            "--block-size",
-            str(block_size),
-            "--max-num-batched-tokens",
-            "8",
-            "--max-model-len",
-            "64",
-        )
+    def warmup(self, block_size: int) -> subprocess.CompletedProcess:
+        return self.run(
+            "-m", "ember.cli", "warmup", "--model", self.model, "--dtype", "float32",
+            "--kv-cache-gib", "0.01", "--block-size", str(block_size),
+            "--max-num-batched-tokens", "8", "--max-model-len", "64",
+        )  # fmt: skip
 
-    def serve() -> dict:
-        child = run("-c", _CHILD, d, "auto")
+    def serve(self) -> dict:
+        child = self.run("-c", _CHILD, self.model, "auto")
         return json.loads(child.stdout.strip().splitlines()[-1]) | {"log": child.stderr}
 
-    warm = warmup(block_size=4)
+
+def test_compile_cache_round_trip_ember_warmup_then_engine(checkpoint_dir, tmp_path):
+    """`ember warmup` fills the default compile cache, which an engine uses unless told
+    otherwise (`compile_cache_dir="auto"`, as vLLM caches by default)."""
+    cache = _WarmupCache(checkpoint_dir("tiny-qwen2"), tmp_path)
+    warm = cache.warmup(block_size=4)
     assert "2 graphs (static token buckets [1] + one dynamic) compiled and saved" in warm.stdout
-    assert f"cache dir {cache_dir}" in warm.stdout
-    served = serve()
+    assert f"cache dir {cache.cache_dir}" in warm.stdout
+    served = cache.serve()
     assert served["hit"] and served["loaded"] == 2
     assert served["compiled"] == 0 and served["traced"] == 0  # a warm start traces nothing
     # nor loads the vector-ISA test libraries again that loaded in the entry's build (~1 s)
-    x86 = platform.machine() in ("x86_64", "AMD64")
     assert served["isa_probes"] == 0
-    assert serve()["tokens"] == served["tokens"]
-    # A different engine shape misses, says why in one line, and compiles normally.
-    other = warmup(block_size=8)
+    # The cache holds code the engine loads: created private.
+    assert stat.S_IMODE(os.stat(cache.cache_dir).st_mode) == 0o700
+
+
+@pytest.mark.slow  # three more processes, two of them compiling (~45 s)
+def test_compile_cache_misses_on_another_shape_and_is_refused_once_others_can_write(
+    checkpoint_dir, tmp_path
+):
+    """A warm start gives the tokens of the first; a different engine shape misses, says why
+    in one line, and compiles normally; a cache dir others can write to is refused."""
+    cache = _WarmupCache(checkpoint_dir("tiny-qwen2"), tmp_path)
+    cache.warmup(block_size=4)
+    served = cache.serve()
+    assert served["hit"] and cache.serve()["tokens"] == served["tokens"]
+    other = cache.warmup(block_size=8)
     assert "differs in block_size" in other.stderr and "compiled and saved" in other.stdout
-    # The cache holds code the engine loads: created private, refused once others can write.
-    assert stat.S_IMODE(os.stat(cache_dir).st_mode) == 0o700
-    os.chmod(cache_dir, 0o777)
-    refused = serve()
+    os.chmod(cache.cache_dir, 0o777)
+    refused = cache.serve()
     assert (
         "not using compile cache" in refused["log"]
         and "writable by group or others" in (refused["log"])
     )
     assert not refused["hit"] and refused["loaded"] == 0 and refused["compiled"] == 2
+    x86 = platform.machine() in ("x86_64", "AMD64")
     assert refused["isa_probes"] > 0 or not x86  # compiling, inductor probes as always
     assert refused["tokens"] == served["tokens"]
 
@@ -298,6 +306,7 @@ _TASK_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # ~25 s each; the decoder-only round trip runs by default
 @pytest.mark.parametrize("kind", ["bart", "bert"])
 def test_compile_cache_round_trip_encoder_decoder_and_embedding(kind, tmp_path):
     """The encoder pass and the embedding graphs load from the cache like a decoder's: a second
@@ -346,3 +355,45 @@ def test_one_token_step_runs_the_lm_head_on_one_row(checkpoint_dir, tmp_path, fa
     assert rows[0] <= 2  # the prefill: its last row (and a padding row), not all 5
     if family == "tiny-llama":
         assert out == hf_greedy(d, [prompt], 4)[0]
+
+
+_COMPILE_ODD_WIDTHS = """
+import torch
+from ember import host
+from ember.compiler.inductor import compile_settings
+
+def step(a, b):  # rows of 40 and 96 floats: whole 8-lane vectors, not 16-lane ones
+    return torch.cat([a[:, 96:136] * 2, b[:, :96] * b[:, 96:]], dim=1)
+
+torch.manual_seed(0)
+a, b = torch.randn(5, 136), torch.randn(5, 192)
+with torch.inference_mode(), compile_settings(freezing=False):
+    got = torch.compile(step, fullgraph=True, dynamic=False)(a, b)
+assert torch.equal(got, step(a, b)), (got - step(a, b)).abs().max()
+print(host.host_isa(), torch.backends.cpu.get_cpu_capability())
+"""
+
+
+@pytest.mark.one_host("it starts a process of each ISA itself")
+def test_graphs_compiled_for_one_vector_isa_are_not_served_to_another(tmp_path):
+    """Torch's FX graph cache keys a graph without the vector ISA inductor generated it for:
+    without ember's tag (`compile_settings` adds ATen's capability to `cache_key_tag`), an
+    AVX-512 process was served an AVX2 process's code from the shared inductor cache, built it
+    with AVX-512 flags and wrote past its buffers (heap corruption), and the other way round
+    left half of each row unwritten."""
+    from ember.host import beyond_avx2
+
+    if not beyond_avx2():
+        pytest.skip("this CPU has no vector ISA past AVX2 to mix with it")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    env.pop("EMBER_CPU_ISA", None)
+    for isa in ("avx2", "native"):  # without the tag: the second corrupted its heap
+        run = subprocess.run(
+            [sys.executable, "-c", _COMPILE_ODD_WIDTHS],
+            env=dict(env, EMBER_CPU_ISA=isa),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, (isa, run.stderr[-3000:])
+        assert run.stdout.split()[0] == isa

@@ -269,6 +269,7 @@ def test_a_cached_load_reads_the_files_index_or_a_light_reader(gguf_file, tmp_pa
     )
 
 
+@pytest.mark.slow  # two fresh processes (~20 s) for 0.04 s of import time
 def test_a_cached_load_does_not_import_the_gguf_package(gguf_file, tmp_path):
     """What a load from ember's cache reads of the file needs no `gguf` import (0.04 s)."""
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
@@ -742,8 +743,8 @@ def test_the_weights_cache_is_rebuilt_capped_or_off(gguf_file, tmp_path, monkeyp
     [
         ("Q8_0", 8192, 4),
         ("Q4_0", 8192, 4),
-        ("Q8_0", 65536, 1),
-        ("F16", 8192, 4),
+        pytest.param("Q8_0", 65536, 1, marks=pytest.mark.slow),  # ~6 s each, a fresh process
+        pytest.param("F16", 8192, 4, marks=pytest.mark.slow),
         ("F16", 65536, 1),
     ],
     ids=["q8_0", "q4_0", "q8_0-embedding-heavy", "f16", "f16-tied-embedding-heavy"],
