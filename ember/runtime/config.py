@@ -134,7 +134,8 @@ class EngineArgs:
         default="native",
         metadata=_help(
             "ISA of ember's own kernels and its native-bf16 decision: native, or avx2 to take "
-            "the AVX2 paths on an AVX-512 machine (one ISA per process)",
+            "the AVX2 paths on an AVX-512 machine (one ISA per process; EMBER_CPU_ISA=avx2 in "
+            "the environment makes the whole process an AVX2-only host, ATen included)",
             choices=CPU_ISAS,
         ),
     )
