@@ -741,9 +741,9 @@ def test_the_weights_cache_is_rebuilt_capped_or_off(gguf_file, tmp_path, monkeyp
 @pytest.mark.parametrize(
     ("qtype", "vocab_size", "layers"),
     [
-        ("Q8_0", 8192, 4),
+        pytest.param("Q8_0", 8192, 4, marks=pytest.mark.slow),  # ~6 s each, a fresh process
         ("Q4_0", 8192, 4),
-        pytest.param("Q8_0", 65536, 1, marks=pytest.mark.slow),  # ~6 s each, a fresh process
+        pytest.param("Q8_0", 65536, 1, marks=pytest.mark.slow),
         pytest.param("F16", 8192, 4, marks=pytest.mark.slow),
         ("F16", 65536, 1),
     ],

@@ -184,31 +184,36 @@ print("fast" if "extern_kernels.ember_cpu_packed_linear(" in "\\n".join(code) el
 """
 
 
-def test_graphs_compiled_with_fast_calls_stay_out_of_other_processes_caches(tmp_path):
-    """Inductor's cache keys do not see the codegen hook: a graph compiled with the fast calls
-    and cached must not be loaded by a process that has not installed them (their names are
-    missing from its `extern_kernels`), and the other way round."""
+def _compile_in_child(cache_dir: str, fast: bool) -> str:
     import os
     import subprocess
     import sys
 
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE_IN_CHILD, "1" if fast else "0"],
+        env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.split()[-1]
+
+
+def test_graphs_compiled_with_fast_calls_stay_out_of_other_processes_caches(tmp_path):
+    """Inductor's cache keys do not see the codegen hook: a graph compiled with the fast calls
+    and cached must not be loaded by a process that has not installed them (their names are
+    missing from its `extern_kernels`)."""
     _fast("packed_linear")
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    assert _compile_in_child(str(tmp_path), True) == "fast"
+    assert _compile_in_child(str(tmp_path), False) == "op"
 
-    def compile_in_child(fast: bool) -> str:
-        run = subprocess.run(
-            [sys.executable, "-c", _COMPILE_IN_CHILD, "1" if fast else "0"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert run.returncode == 0, run.stderr[-3000:]
-        return run.stdout.split()[-1]
 
-    assert compile_in_child(True) == "fast"
-    assert compile_in_child(False) == "op"
-    assert compile_in_child(True) == "fast"
+@pytest.mark.slow  # two more processes (~16 s); a graph with op calls would only run slower
+def test_graphs_compiled_without_fast_calls_stay_out_of_fast_processes_caches(tmp_path):
+    _fast("packed_linear")
+    assert _compile_in_child(str(tmp_path), False) == "op"
+    assert _compile_in_child(str(tmp_path), True) == "fast"
 
 
 def test_fast_calls_that_fail_to_load_leave_the_op_calls(monkeypatch, caplog):
