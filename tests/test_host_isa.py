@@ -51,3 +51,49 @@ def test_an_expectation_of_native_bf16_fails_on_the_avx2_host(tmp_path):
     assert "assert False" in out and "avx2" in out
     assert "PASSED test_probe.py::test_any_cpu\n" in out
     assert "test_any_cpu[" not in out
+
+
+def test_the_switch_refuses_a_bad_value(monkeypatch):
+    from ember import host
+
+    monkeypatch.setenv("EMBER_CPU_ISA", "avx3")
+    host.host_isa.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"EMBER_CPU_ISA must be one of \('native', 'avx2'\)"):
+            host.host_isa()
+    finally:
+        monkeypatch.undo()
+        host.host_isa.cache_clear()
+
+
+_LATE = """
+import os, torch
+print(torch.backends.cpu.get_cpu_capability())  # ATen chooses its kernels here
+os.environ["EMBER_CPU_ISA"] = "avx2"
+from ember import EngineArgs, host
+assert not host.cpu_has_native_bf16() and host.resolve_isa("native") == "avx2"
+try:
+    host.check_host_isa()
+except ValueError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.one_host("it sets the switch itself")
+def test_a_switch_set_after_aten_chose_its_kernels_is_refused():
+    """Set after ATen's first kernel, the switch cannot cap ATen: engines refuse to start,
+    naming what to do, rather than run ATen's wider kernels under an AVX2-only host's rules."""
+    if not beyond_avx2():
+        pytest.skip("ATen's kernels are AVX2 at most here: nothing to refuse")
+    env = dict(os.environ)
+    for name in ("EMBER_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+        env.pop(name, None)
+    run = subprocess.run(
+        [sys.executable, "-c", _LATE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    capability = run.stdout.splitlines()[0]
+    if capability in ("AVX2", "DEFAULT", "NO AVX"):  # AVX-VNNI without AVX-512, say
+        pytest.skip("ATen's own choice here is AVX2 at most: nothing to refuse")
+    assert f"refused: EMBER_CPU_ISA=avx2: ATen already runs its {capability}" in run.stdout
+    assert "set EMBER_CPU_ISA=avx2 in the environment before Python starts" in run.stdout
