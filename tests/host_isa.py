@@ -27,7 +27,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 import pytest
@@ -37,6 +36,7 @@ HOSTS = ("this-cpu", "avx2-host")
 _REPORTS_ENV = "EMBER_TEST_AVX2_REPORTS"
 _IDS_ENV = "EMBER_TEST_AVX2_IDS"
 _CHILD_TIMEOUT_S = 3600
+_config: Any = None
 _DEPENDENT = re.compile(
     r"bfloat16|bf16|int8|int4|quantiz|cpu_isa|native_bf16|amx|avx|panel_width", re.IGNORECASE
 )
@@ -74,6 +74,8 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    global _config
+    _config = config  # the child's report writer serializes through its hooks
     config.addinivalue_line("markers", "host_isa: run on this CPU and as an AVX2-only host")
     config.addinivalue_line("markers", "one_host(reason): runs on this CPU only")
     config._ember_avx2_child = None  # type: ignore[attr-defined]
@@ -100,6 +102,15 @@ def host_isa(request: pytest.FixtureRequest) -> str:
     return getattr(request, "param", HOSTS[0])
 
 
+def needs_fp32_math() -> None:
+    """Skip a test of fp32 math on bf16 weights where bf16 math is native: its [avx2-host]
+    run checks it there (on an AVX2-only CPU its own run does)."""
+    from ember.host import cpu_has_native_bf16
+
+    if cpu_has_native_bf16():
+        pytest.skip("bf16 math is native here; the [avx2-host] run checks fp32 math")
+
+
 def _host_of(item: pytest.Item) -> str:
     spec = getattr(item, "callspec", None)
     return spec.params.get("host_isa", HOSTS[0]) if spec is not None else HOSTS[0]
@@ -119,7 +130,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         keep.sort(key=lambda i: _host_of(i) == HOSTS[1])
     else:
         keep = [i for i in items if _host_of(i) == HOSTS[0]]
-    dropped = [i for i in items if i not in set(keep)]
+    kept = set(keep)
+    dropped = [i for i in items if i not in kept]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = keep
@@ -138,15 +150,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     data = _config.hook.pytest_report_to_serializable(config=_config, report=report)
     with open(path, "a") as f:
         f.write(json.dumps(data) + "\n")
-
-
-_config: Any = None
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionstart(session: pytest.Session) -> None:
-    global _config
-    _config = session.config
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -187,7 +190,6 @@ class _Child:
                 [*cmd, *files], cwd=str(config.rootpath), env=env, stdout=log,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )  # fmt: skip
-        self.started = time.monotonic()
         self._reports: dict[str, list[pytest.TestReport]] | None = None
 
     def _collect(self) -> dict[str, list[pytest.TestReport]]:

@@ -1,7 +1,7 @@
 """Narrow weights by default: `dtype="auto"` keeps a bf16 checkpoint's linear weights in bf16.
 Where the CPU lacks native bf16 math (an AVX2-only host, and every test's `[avx2-host]` run:
-tests/host_isa.py), the math is fp32 and the kernels widen the weights, so greedy output is token-identical
-to HF transformers running the same (bf16-valued) weights in fp32."""
+tests/host_isa.py), the math is fp32 and the kernels widen the weights, so greedy output is
+token-identical to HF transformers running the same (bf16-valued) weights in fp32."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from ember import LLM, SamplingParams, kernels
 from ember.host import cpu_has_native_bf16
 from ember.tools.bench import teacher_forced_ranks
 from tests.conftest import build_tiny_bart, build_tiny_bert, hf_bart_greedy, hf_greedy, make_prompts
+from tests.host_isa import needs_fp32_math
 
 pytestmark = pytest.mark.host_isa  # on this CPU and as an AVX2-only host: tests/host_isa.py
 
@@ -41,16 +42,11 @@ def _ranks_in_hf_fp32(model_dir: str, prompts: list[list[int]], outs: list[list[
     return [r for p, g in zip(prompts, outs, strict=True) for r in teacher_forced_ranks(hf, p, g)]
 
 
-def _needs_fp32_math() -> None:
-    if cpu_has_native_bf16():
-        pytest.skip("bf16 math is native here; the [avx2-host] run checks fp32 math")
-
-
 def test_bf16_weights_fp32_math_match_hf_fp32_compiled(checkpoint_dir):
     """Without native bf16 math: a float32 cache is token-identical to HF in fp32 (compiled);
     the default cache (bf16, as narrow as the weights) stays within HF fp32's top 5, mostly
     its argmax."""
-    _needs_fp32_math()
+    needs_fp32_math()
     d = checkpoint_dir("tiny-llama", dtype=torch.bfloat16, initializer_range=0.3)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(4, seed=3)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -98,7 +94,7 @@ def test_encoder_decoder_and_encoder_with_bf16_weights_fp32_math(tmp_path):
     read bf16, and the results equal HF's in fp32 on the same weights."""
     from transformers import BertModel
 
-    _needs_fp32_math()
+    needs_fp32_math()
     bart = build_tiny_bart(str(tmp_path / "b"), 200, torch.bfloat16)
     bert = build_tiny_bert(str(tmp_path / "e"), torch.bfloat16)
     kw = dict(compile=False, kv_cache_gib=0.01, use_tqdm=False)

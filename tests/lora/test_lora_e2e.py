@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from ember import LLM, LoRARequest, SamplingParams
 from ember.tools.checkpoints import build_checkpoint
 from tests.conftest import make_prompts
+from tests.host_isa import needs_fp32_math
 
 MAX_NEW = 12
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -268,10 +269,7 @@ def test_lora_on_bf16_weights_with_fp32_math_matches_peft(checkpoint_dir, tmp_pa
     """A bf16 checkpoint on a CPU without native bf16 math (an AVX2-only host: this test's
     [avx2-host] run): the LoRA wrappers sit on the bf16 GEMV linears and the math is fp32,
     token-identical to PEFT on the fp32 model."""
-    from ember.host import cpu_has_native_bf16
-
-    if cpu_has_native_bf16():
-        pytest.skip("bf16 math is native here; the [avx2-host] run checks fp32 math")
+    needs_fp32_math()
     base = checkpoint_dir("tiny-llama", dtype=torch.bfloat16)
     adapter = make_adapter(base, str(tmp_path / "all"), 2, 16, ALL)
     prompt = make_prompts(1, seed=8)[0]
