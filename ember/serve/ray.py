@@ -27,6 +27,7 @@ def _build_replica(
     served_model_name: str | None,
     threads: int | None,
     lora_modules: list[str] | None,
+    chat_template: str | None = None,
 ) -> Any:
     """One replica's ASGI app (run on the replica by Ray Serve's ingress builder)."""
     import torch  # noqa: PLC0415
@@ -45,7 +46,7 @@ def _build_replica(
         assert llm_engine.lora is not None, "--lora-modules needs enable_lora=True"
         llm_engine.lora.add(lora)
     engine = AsyncLLMEngine(llm_engine)
-    app = build_app(engine, served_model_name or model, api_key, loras)
+    app = build_app(engine, served_model_name or model, api_key, loras, chat_template)
     replica = f"{os.uname().nodename}:{os.getpid()}"
 
     @app.middleware("http")
@@ -65,17 +66,19 @@ def deployment(
     num_cpus: float = 1.0,
     threads: int | None = None,
     lora_modules: list[str] | None = None,
+    chat_template: str | None = None,
     **engine_kwargs: Any,
 ) -> Any:
     """A Ray Serve application of `num_replicas` ember servers (`serve.run` deploys it).
     `num_cpus`: Ray's CPU reservation per replica; `threads`: torch threads per replica
     (default: torch's own); `lora_modules`: `name=path` adapters as in `ember serve`;
+    `chat_template`: a Jinja template over the tokenizer's (`--chat-template`);
     `engine_kwargs`: `EngineArgs` fields."""
     from ray import serve  # noqa: PLC0415
 
     def build() -> Any:
         return _build_replica(
-            model, engine_kwargs, api_key, served_model_name, threads, lora_modules
+            model, engine_kwargs, api_key, served_model_name, threads, lora_modules, chat_template
         )
 
     cls = serve.ingress(build)()
@@ -113,6 +116,7 @@ def serve_with_ray(
     model_name: str | None,
     replicas: int,
     lora_modules: list[str] | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """`ember serve --ray --replicas N`: deploy on the Ray cluster at `RAY_ADDRESS` (else a
     local one), with Serve's HTTP proxy on host:port, until interrupted."""
@@ -126,7 +130,10 @@ def serve_with_ray(
     model = kwargs.pop("model")
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
-    app = deployment(model, replicas, api_key, model_name, lora_modules=lora_modules, **kwargs)
+    app = deployment(
+        model, replicas, api_key, model_name, lora_modules=lora_modules,
+        chat_template=chat_template, **kwargs,
+    )  # fmt: skip
     serve.run(app, route_prefix="/", name="ember")
     print(f"ember: {replicas} replicas of {model_name or model} on http://{host}:{port}")
     try:

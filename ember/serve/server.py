@@ -126,9 +126,12 @@ def build_app(
     model_name: str,
     api_key: str | None = None,
     loras: dict[str, LoRARequest] | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The server's app over a running async engine, serving the model as `model_name` and
-    each LoRA adapter of `loras` as a model of its own name (as vLLM's `--lora-modules`)."""
+    each LoRA adapter of `loras` as a model of its own name (as vLLM's `--lora-modules`).
+    `chat_template`: the server's template (`--chat-template`), over the tokenizer's; a
+    request's own `chat_template` wins over both."""
     loras = dict(loras or {})
     app = FastAPI(title="ember", docs_url=None, redoc_url=None)
     tokenizer = engine.engine.tokenizer
@@ -219,7 +222,7 @@ def build_app(
             return lora
         try:
             prompt = render_chat(
-                tokenizer, body.messages, body.chat_template, "auto",
+                tokenizer, body.messages, body.chat_template or chat_template, "auto",
                 body.add_generation_prompt, body.continue_final_message, body.tools,
                 body.chat_template_kwargs, engine.engine.image_token(),
             )  # fmt: skip
@@ -379,6 +382,7 @@ def serve(
     api_key: str | None,
     model_name: str | None,
     lora_modules: list[str] | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """Build the engine (compiling every graph first), then serve until interrupted."""
     import uvicorn  # noqa: PLC0415
@@ -394,7 +398,7 @@ def serve(
         assert llm_engine.lora is not None
         llm_engine.lora.add(lora)
     engine = AsyncLLMEngine(llm_engine)
-    app = build_app(engine, model_name or engine_args.model, api_key, loras)
+    app = build_app(engine, model_name or engine_args.model, api_key, loras, chat_template)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:

