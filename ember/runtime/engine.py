@@ -195,6 +195,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompt_token_ids")
+            if self.config.model_spec.multimodal is not None:
+                # A vision-language model's text-only prompt goes through its HF processor, as
+                # its image prompts do (Mllama's puts the BOS in where the tokenizer does not).
+                return prompt, self._processor_token_ids(prompt)
             return prompt, list(self.tokenizer(prompt)["input_ids"])
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
@@ -412,6 +416,16 @@ class LLMEngine:
                 f"the model's vision tower takes {geometry.tiles}"
             )
         return text, token_ids, build_image_inputs(token_ids, image_token, features, geometry)
+
+    def _processor_token_ids(self, text: str) -> list[int]:
+        """The ids the checkpoint's HF processor makes of a text with no images."""
+        try:
+            ids = self._image_processor()(text=[text])["input_ids"][0]
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001  (the processor raises its own types)
+            raise ValueError(f"the processor failed on the prompt: {type(e).__name__}: {e}") from e
+        return [int(t) for t in ids]
 
     def image_token(self) -> str | None:
         """The prompt text that stands for one image (`<|image|>`), or None for a model that

@@ -304,9 +304,16 @@ class Scheduler:
         if request.grammar is not None and not request.grammar.accept(token):
             raise ValueError(f"token {token} is outside the request's structured-output grammar")
         status = self._check_stop(request, token)
+        # vLLM's V1 detokenizer: the text of the token a request stops on (EOS, a stop token
+        # id, another EOS id of the generation config) is not part of `text` unless
+        # include_stop_str_in_output; its id stays in the token ids.
+        drop_text = (
+            status is RequestStatus.FINISHED_STOPPED
+            and not request.params.include_stop_str_in_output
+        )
         if status is None and request.grammar is not None and request.grammar.terminated:
             status = RequestStatus.FINISHED_STOPPED  # the document is complete
-        stop = self._detokenize(request, token)
+        stop = None if drop_text else self._detokenize(request, token)
         if stop is not None and status is None:
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         if status is not None and stop is None and request.detokenizer is not None:

@@ -54,7 +54,7 @@ def _prompt(text: str, images: list) -> dict:
 
 def hf_mllama_greedy(model_dir: str, cases, max_new_tokens: int = MAX_NEW) -> list[list[int]]:
     """HF `generate(do_sample=False)` one prompt at a time, inputs from the checkpoint's own
-    processor (text-only prompts: its tokenizer, as ember tokenizes them); EOS ignored."""
+    processor (text-only prompts too: it puts the BOS in); EOS ignored."""
     from transformers import AutoProcessor, MllamaForConditionalGeneration
 
     processor = AutoProcessor.from_pretrained(model_dir)
@@ -64,7 +64,7 @@ def hf_mllama_greedy(model_dir: str, cases, max_new_tokens: int = MAX_NEW) -> li
         if images:
             inputs = dict(processor(images=[images], text=text, return_tensors="pt"))
         else:
-            inputs = {"input_ids": torch.tensor([processor.tokenizer(text)["input_ids"]])}
+            inputs = {"input_ids": torch.tensor(processor(text=[text])["input_ids"])}
         with torch.inference_mode():
             ids = model.generate(
                 **inputs,
@@ -206,6 +206,16 @@ def test_mllama_preemption_and_token_prompts_match_hf(tiny_mllama, want):
     )[0]
     assert out.outputs[0].token_ids == want[2]
     assert out.prompt_token_ids == list(ids)
+    # A text-only prompt goes through the same processor: its BOS, which this tokenizer does
+    # not add by itself, is in the prompt, and the output is HF's on the processor's inputs.
+    text = CASES[4][0]
+    bos = processor.tokenizer.bos_token_id
+    assert not CASES[4][1] and processor.tokenizer(text)["input_ids"][0] != bos
+    ids = processor(text=[text])["input_ids"][0]
+    assert ids[0] == bos
+    out = llm.generate(text, GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == list(ids)
+    assert out.outputs[0].token_ids == want[4]
 
 
 @pytest.mark.parametrize(

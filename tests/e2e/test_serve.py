@@ -139,6 +139,27 @@ def test_chat_equals_offline_chat_and_streams_the_same(client, offline):
     assert chunks[-1].usage.completion_tokens == 12
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_tokens_text_follows_vllms_rule_streamed_or_not(client, offline, include):
+    """A completion that stops on a stop_token_ids entry: the token's text is left out unless
+    include_stop_str_in_output, in the whole response and in the joined stream, as offline."""
+    prompt = "The quick brown fox"
+    free = offline.generate(prompt, _greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    stop = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])
+    n = free.index(stop) + 1
+    cut = offline.generate(prompt, _greedy(n - 1 + include), use_tqdm=False)[0].outputs[0].text
+    want = offline.generate(prompt, _greedy(stop_token_ids=[stop], include_stop_str_in_output=include),
+                            use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert want.token_ids[-1] == stop and want.text == cut
+    body = {"ignore_eos": True, "stop_token_ids": [stop], "include_stop_str_in_output": include}
+    kw = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body=body)
+    r = client.completions.create(**kw)
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == n
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
+
+
 def test_streamed_completions_with_n_equal_the_whole_response(client):
     kw = dict(model="tiny", prompt="Hello there", max_tokens=10, temperature=1.0, seed=7, n=2)
     whole = client.completions.create(**kw)

@@ -6,6 +6,7 @@ requests, sampled and greedy, with n > 1, chunked prefill and preemption, eager 
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import jsonschema
@@ -168,3 +169,30 @@ def test_bitmask_kernel_matches_xgrammar_and_the_torch_path(vocab, monkeypatch):
     structured.apply_bitmask(fallback, bitmask)
     assert torch.equal(fallback, want)
     torch.library.opcheck(torch.ops.ember_cpu.apply_token_bitmask.default, (logits, bitmask))
+
+
+def test_a_choice_that_stops_on_another_eos_id_leaves_its_text_out(checkpoint_dir, tmp_path):
+    """A model whose generation config has an EOS id besides the tokenizer's (a plain token
+    here, "@", that no choice contains): the choice ends on it, and as in vLLM its text is not
+    part of the output, which is exactly one of the choices."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    d = str(tmp_path / "m")
+    shutil.copytree(checkpoint_dir("tiny-llama"), d)
+    other = AutoTokenizer.from_pretrained(d).convert_tokens_to_ids("@")
+    with open(os.path.join(d, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [1, other]}, f)
+    llm = _llm(d)
+    so = StructuredOutputsParams(choice=CHOICES)
+    params = [
+        SamplingParams(max_tokens=20, temperature=t, seed=i, structured_outputs=so,
+                       logit_bias={other: 30.0})
+        for i, t in enumerate([0.0, 1.0, 1.0, 1.0])
+    ]  # fmt: skip
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(4, seed=5, low=3, high=20)]
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and c.stop_reason == other and c.token_ids[-1] == other
+        assert c.text in CHOICES, c.text

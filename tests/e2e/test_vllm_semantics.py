@@ -7,6 +7,7 @@ min_tokens, logits_processors), HF's log-softmax for prompt_logprobs, the tokeni
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -117,6 +118,56 @@ def test_the_tokenizers_eos_stops_with_no_stop_reason(tiny, free_run, tmp_path):
     out = llm.generate({"prompt_token_ids": prompt}, _greedy(), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == free[: free.index(eos) + 1]
     assert out.finish_reason == "stop" and out.stop_reason is None
+
+
+def _texts(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[list[int], str, str]:
+    """(token ids, text, the text of DELTA outputs joined) of one request."""
+    from ember import RequestOutputKind
+
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    engine = llm.llm_engine
+    delta = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+    engine.add_request("delta", {"prompt_token_ids": prompt}, delta)
+    pieces = []
+    while engine.has_unfinished_requests():
+        pieces += [o.outputs[0].text for o in engine.step() if o.request_id == "delta"]
+    return list(out.token_ids), out.text, "".join(pieces)
+
+
+@pytest.mark.parametrize("how", ["generation-config", "stop_token_ids", "tokenizer-eos"])
+def test_a_stop_tokens_text_is_left_out_unless_include_stop_str_in_output(
+    tiny, free_run, tmp_path, how
+):
+    """vLLM's V1 detokenizer: a request that stops on a token (another EOS id of the generation
+    config, a stop_token_ids entry, or the tokenizer's EOS with skip_special_tokens=False)
+    keeps that token's id in token_ids but not its text in `text`, unless
+    include_stop_str_in_output; streamed deltas join to the same text. The reference texts
+    are the same request cut by max_tokens just before the stop token, and ended by length on
+    it."""
+    prompt, free = free_run
+    stop = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])
+    n = free.index(stop) + 1
+    extra: dict = {}
+    if how == "generation-config":
+        d = _copy_with(tiny, str(tmp_path / "m"), {"eos_token_id": [1, stop]})
+    elif how == "stop_token_ids":
+        d, extra = tiny, {"stop_token_ids": [stop]}
+    else:
+        tok = AutoTokenizer.from_pretrained(tiny)
+        d = _copy_with(tiny, str(tmp_path / "m"), eos_token=tok.convert_ids_to_tokens(stop))
+        extra = {"skip_special_tokens": False}
+    llm = _llm(d)
+    plain = {k: v for k, v in extra.items() if k != "stop_token_ids"}
+    cut = [_greedy(m, ignore_eos=True, **plain) for m in (n - 1, n)]
+    before, through = (o.outputs[0] for o in llm.generate([{"prompt_token_ids": prompt}] * 2,
+                                                          cut, use_tqdm=False))  # fmt: skip
+    assert through.text != before.text  # the stop token has text of its own
+    ids, text, streamed = _texts(llm, prompt, _greedy(**extra))
+    assert ids == free[:n] and ids[-1] == stop
+    assert text == streamed == before.text
+    ids, text, streamed = _texts(llm, prompt, _greedy(include_stop_str_in_output=True, **extra))
+    assert ids == free[:n]
+    assert text == streamed == through.text
 
 
 def test_min_tokens_masks_every_eos_and_stop_token_until_reached(tiny, free_run, tmp_path):
