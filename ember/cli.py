@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -17,6 +18,7 @@ from ember.host import default_compile_cache_dir
 from ember.runtime.config import EngineArgs
 from ember.runtime.llm import load_chat_template
 from ember.tools import bench
+from ember.tools.chat_cli import add_chat_parser, cmd_chat
 from ember.tools.checkpoints import (
     DEFAULT_DESCRIPTION,
     DEFAULT_FILE,
@@ -349,12 +351,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="LoRA adapters served as models of these names (needs --enable-lora)",
     )
     srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let the model call tools on its own (tool_choice auto; needs --tool-call-parser)",
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how tool calls are read from the model's text: hermes, llama3_json, mistral, "
+        "pythonic (vLLM's names)",
+    )
+    srv.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split <think> reasoning into reasoning_content: deepseek_r1, qwen3",
+    )
+    srv.add_argument(
         "--ray",
         action="store_true",
         help="serve --replicas N with Ray Serve (RAY_ADDRESS or local)",
     )
     srv.add_argument("--replicas", type=int, default=2, help="Ray Serve replicas (with --ray)")
     srv.set_defaults(func=cmd_serve)
+    add_chat_parser(sub, _add_engine_args)
+    sub.choices["chat"].set_defaults(func=functools.partial(cmd_chat, resolve=_model_overrides))
     return parser
 
 
@@ -370,15 +392,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("EMBER_API_KEY") or None
     name = served_model_name(args, model)
     template = load_chat_template(args.chat_template)
+    tool_options = dict(
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+    )
     if args.ray:
         from ember.serve.ray import serve_with_ray  # noqa: PLC0415
 
         serve_with_ray(
             engine_args, args.host, args.port, api_key, name, args.replicas, args.lora_modules,
-            template,
+            template, tool_options,
         )  # fmt: skip
         return 0
-    serve(engine_args, args.host, args.port, api_key, name, args.lora_modules, template)
+    serve(
+        engine_args, args.host, args.port, api_key, name, args.lora_modules, template,
+        tool_options,
+    )  # fmt: skip
     return 0
 
 

@@ -12,7 +12,7 @@ from ember.host import CPU_ISAS
 
 # Commands that load a model in this process (`bench` may start itself again under the AVX2
 # environment first, and a process replacing itself must not leave a build half-done).
-_MODEL_COMMANDS = ("generate", "embed", "warmup", "serve")
+_MODEL_COMMANDS = ("generate", "embed", "warmup", "serve", "chat")
 
 
 def _cpu_isa(args: Sequence[str]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -319,6 +320,7 @@ def render_chat(
     conversation = [_take_images(m, images, image_token) for m in conversation]
     if content_format != "openai":
         conversation = [_string_content(m, image_token) for m in conversation]
+    conversation = [_tool_call_arguments(m) for m in conversation]
     text = tokenizer.apply_chat_template(
         conversation,
         chat_template=chat_template,
@@ -396,6 +398,27 @@ def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
             if not isinstance(m, dict) or "role" not in m:
                 raise ValueError(f"a chat message must be a dict with a 'role', got {m!r}")
     return [list(c) for c in conversations]
+
+
+def _tool_call_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's `tool_calls` with each call's `arguments` JSON string parsed into
+    the dict chat templates expect (as vLLM passes them); other messages as they are."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    parsed = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                arguments = json.loads(fn["arguments"])
+            except ValueError as e:
+                raise ValueError(
+                    f"tool_calls[].function.arguments must be a JSON object string: {e}"
+                ) from e
+            call = {**call, "function": {**fn, "arguments": arguments}}
+        parsed.append(call)
+    return {**message, "tool_calls": parsed}
 
 
 def _string_content(message: dict[str, Any], image_token: str | None = None) -> dict[str, Any]:

@@ -28,6 +28,7 @@ def _build_replica(
     threads: int | None,
     lora_modules: list[str] | None,
     chat_template: str | None = None,
+    tool_options: dict[str, Any] | None = None,
 ) -> Any:
     """One replica's ASGI app (run on the replica by Ray Serve's ingress builder)."""
     import torch  # noqa: PLC0415
@@ -35,6 +36,7 @@ def _build_replica(
     from ember.runtime.config import EngineArgs  # noqa: PLC0415
     from ember.runtime.engine import LLMEngine  # noqa: PLC0415
     from ember.serve.async_engine import AsyncLLMEngine  # noqa: PLC0415
+    from ember.serve.chat_outputs import ChatTools  # noqa: PLC0415
     from ember.serve.server import build_app, parse_lora_modules  # noqa: PLC0415
 
     if threads:
@@ -46,7 +48,8 @@ def _build_replica(
         assert llm_engine.lora is not None, "--lora-modules needs enable_lora=True"
         llm_engine.lora.add(lora)
     engine = AsyncLLMEngine(llm_engine)
-    app = build_app(engine, served_model_name or model, api_key, loras, chat_template)
+    tools = ChatTools(llm_engine.tokenizer, **(tool_options or {}))
+    app = build_app(engine, served_model_name or model, api_key, loras, chat_template, tools)
     replica = f"{os.uname().nodename}:{os.getpid()}"
 
     @app.middleware("http")
@@ -67,19 +70,22 @@ def deployment(
     threads: int | None = None,
     lora_modules: list[str] | None = None,
     chat_template: str | None = None,
+    tool_options: dict[str, Any] | None = None,
     **engine_kwargs: Any,
 ) -> Any:
     """A Ray Serve application of `num_replicas` ember servers (`serve.run` deploys it).
     `num_cpus`: Ray's CPU reservation per replica; `threads`: torch threads per replica
     (default: torch's own); `lora_modules`: `name=path` adapters as in `ember serve`;
     `chat_template`: a Jinja template over the tokenizer's (`--chat-template`);
+    `tool_options`: `ChatTools`' keyword arguments (tool-call and reasoning parsers);
     `engine_kwargs`: `EngineArgs` fields."""
     from ray import serve  # noqa: PLC0415
 
     def build() -> Any:
         return _build_replica(
-            model, engine_kwargs, api_key, served_model_name, threads, lora_modules, chat_template
-        )
+            model, engine_kwargs, api_key, served_model_name, threads, lora_modules,
+            chat_template, tool_options,
+        )  # fmt: skip
 
     cls = serve.ingress(build)()
     return serve.deployment(
@@ -117,6 +123,7 @@ def serve_with_ray(
     replicas: int,
     lora_modules: list[str] | None = None,
     chat_template: str | None = None,
+    tool_options: dict[str, Any] | None = None,
 ) -> None:
     """`ember serve --ray --replicas N`: deploy on the Ray cluster at `RAY_ADDRESS` (else a
     local one), with Serve's HTTP proxy on host:port, until interrupted."""
@@ -132,7 +139,7 @@ def serve_with_ray(
     serve.start(http_options={"host": host, "port": port})
     app = deployment(
         model, replicas, api_key, model_name, lora_modules=lora_modules,
-        chat_template=chat_template, **kwargs,
+        chat_template=chat_template, tool_options=tool_options, **kwargs,
     )  # fmt: skip
     serve.run(app, route_prefix="/", name="ember")
     print(f"ember: {replicas} replicas of {model_name or model} on http://{host}:{port}")

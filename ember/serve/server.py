@@ -32,7 +32,9 @@ from ember.lora.adapter import LoRARequest
 from ember.runtime.llm import render_chat
 from ember.runtime.outputs import RequestOutput
 from ember.runtime.request import SamplingParams
+from ember.runtime.structured import StructuredOutputsParams
 from ember.serve.async_engine import AsyncLLMEngine
+from ember.serve.chat_outputs import ChatStream, ChatTools
 
 
 class _Sampling(BaseModel):
@@ -61,6 +63,41 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs: vLLM's `structured_outputs` object, its earlier `guided_*` fields,
+    # and OpenAI's `response_format` (json_schema / json_object).
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: dict[str, Any] | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's structured output, from whichever field gives it (at most one)."""
+        given: list[StructuredOutputsParams] = []
+        if self.structured_outputs is not None:
+            given.append(StructuredOutputsParams(**self.structured_outputs))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                given.append(StructuredOutputsParams(**{kind: value}))
+        fmt = self.response_format or {}
+        if fmt.get("type") == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ValueError("response_format.json_schema.schema must be a JSON schema")
+            given.append(StructuredOutputsParams(json=schema))
+        elif fmt.get("type") == "json_object":
+            given.append(StructuredOutputsParams(json_object=True))
+        elif fmt.get("type") not in (None, "text"):
+            raise ValueError(
+                "response_format.type must be text, json_object or json_schema, got "
+                f"{fmt.get('type')!r}"
+            )
+        if len(given) > 1:
+            raise ValueError("give one structured output (structured_outputs, guided_*, or "
+                             "response_format), not several")  # fmt: skip
+        return given[0] if given else None
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None) -> SamplingParams:
         values = dict(defaults)
@@ -79,6 +116,7 @@ class _Sampling(BaseModel):
             stop_token_ids=self.stop_token_ids,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured(),
         )
         return SamplingParams(**values)
 
@@ -104,6 +142,8 @@ class ChatRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -127,14 +167,17 @@ def build_app(
     api_key: str | None = None,
     loras: dict[str, LoRARequest] | None = None,
     chat_template: str | None = None,
+    chat_tools: ChatTools | None = None,
 ) -> FastAPI:
     """The server's app over a running async engine, serving the model as `model_name` and
     each LoRA adapter of `loras` as a model of its own name (as vLLM's `--lora-modules`).
-    `chat_template`: the server's template (`--chat-template`), over the tokenizer's; a
-    request's own `chat_template` wins over both."""
+    `chat_template`: the server's template (`--chat-template`), over the tokenizer's;
+    a request's own `chat_template` wins over both. `chat_tools`: the tool-call and reasoning
+    parsers (`ChatTools`; default: none, so `auto` tool choice is refused)."""
     loras = dict(loras or {})
     app = FastAPI(title="ember", docs_url=None, redoc_url=None)
     tokenizer = engine.engine.tokenizer
+    tools = chat_tools if chat_tools is not None else ChatTools(tokenizer)
     defaults = engine.engine.default_sampling
     created = int(time.time())
 
@@ -214,13 +257,14 @@ def build_app(
             return _error(400, str(e))
         rid = f"cmpl-{uuid.uuid4().hex}"
         name = body.model or model_name
-        return await _respond(engine, rid, prompts, params, body, name, created, lora, chat=False)
+        return await _respond(engine, rid, prompts, params, body, name, created, lora, chat=None)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest) -> Any:
         if isinstance(lora := check_model(body.model), JSONResponse):
             return lora
         try:
+            mode = tools.mode(body.tools, body.tool_choice)
             prompt = render_chat(
                 tokenizer, body.messages, body.chat_template or chat_template, "auto",
                 body.add_generation_prompt, body.continue_final_message, body.tools,
@@ -228,11 +272,22 @@ def build_app(
             )  # fmt: skip
             max_tokens = body.max_completion_tokens or body.max_tokens
             params = body.sampling_params(defaults, max_tokens if max_tokens else None)
+            forced = tools.structured_output(mode, body.tools, body.parallel_tool_calls)
+            if forced is not None:
+                if params.structured_outputs is not None:
+                    raise ValueError(
+                        f"tool_choice {body.tool_choice!r} makes the answer a call: it cannot be "
+                        "combined with another structured output"
+                    )
+                params.structured_outputs = forced
+            if mode.kind == "auto" and tools.needs_special_tokens:
+                params.skip_special_tokens = False  # the parser's markers are special tokens
         except ValueError as e:
             return _error(400, str(e))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         name = body.model or model_name
-        return await _respond(engine, rid, [prompt], params, body, name, created, lora, chat=True)
+        return await _respond(engine, rid, [prompt], params, body, name, created, lora,
+                              chat=(tools, mode))  # fmt: skip
 
     return app
 
@@ -246,10 +301,11 @@ async def _respond(
     model_name: str,
     created: int,
     lora: LoRARequest | None,
-    chat: bool,
+    chat: tuple[ChatTools, Any] | None,
 ) -> Any:
     """Start one engine request per prompt (all validated before any runs), then answer as a
-    whole or as an event stream."""
+    whole or as an event stream. `chat`: the server's tools and the request's tool mode, for a
+    chat completion (None: a text completion)."""
     streams = []
     try:
         for i, prompt in enumerate(prompts):
@@ -284,8 +340,9 @@ async def _respond(
     for idx in sorted(texts):
         text = "".join(texts[idx])
         if chat:
-            choices.append({"index": idx, "message": {"role": "assistant", "content": text},
-                            "finish_reason": reasons[idx]})  # fmt: skip
+            message, called = chat[0].answer(chat[1], text)
+            choices.append({"index": idx, "message": message,
+                            "finish_reason": "tool_calls" if called else reasons[idx]})  # fmt: skip
         else:
             choices.append({"index": idx, "text": text, "logprobs": None,
                             "finish_reason": reasons[idx]})  # fmt: skip
@@ -306,7 +363,7 @@ async def _events(
     rid: str,
     model_name: str,
     created: int,
-    chat: bool,
+    chat: tuple[ChatTools, Any] | None,
     include_usage: bool,
 ) -> AsyncIterator[str]:
     """Server-sent events: one chunk per step and sequence with new text, then `[DONE]`.
@@ -321,6 +378,7 @@ async def _events(
             data["usage"] = usage
         return f"data: {json.dumps(data)}\n\n"
 
+    answers: dict[int, ChatStream] = {}
     try:
         if chat:
             yield event([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -336,8 +394,13 @@ async def _events(
                         continue
                     idx = p * n + c.index
                     if chat:
-                        choices.append({"index": idx, "delta": {"content": c.text},
-                                        "finish_reason": c.finish_reason})  # fmt: skip
+                        answer = answers.setdefault(idx, chat[0].stream(chat[1]))
+                        final = c.finish_reason is not None
+                        for delta in answer.feed(c.text, final):
+                            yield event([{"index": idx, "delta": delta, "finish_reason": None}])
+                        if final:
+                            reason = "tool_calls" if answer.called else c.finish_reason
+                            choices.append({"index": idx, "delta": {}, "finish_reason": reason})
                     else:
                         choices.append({"index": idx, "text": c.text,
                                         "finish_reason": c.finish_reason})  # fmt: skip
@@ -383,8 +446,11 @@ def serve(
     model_name: str | None,
     lora_modules: list[str] | None = None,
     chat_template: str | None = None,
+    tool_options: dict[str, Any] | None = None,
 ) -> None:
-    """Build the engine (compiling every graph first), then serve until interrupted."""
+    """Build the engine (compiling every graph first), then serve until interrupted.
+    `tool_options`: `ChatTools`' keyword arguments (`enable_auto_tool_choice`,
+    `tool_call_parser`, `reasoning_parser`), checked before the engine is built."""
     import uvicorn  # noqa: PLC0415
 
     from ember.runtime.engine import LLMEngine  # noqa: PLC0415
@@ -392,13 +458,15 @@ def serve(
     loras = parse_lora_modules(lora_modules)
     if loras and not engine_args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    ChatTools(None, **(tool_options or {}))  # bad parser names fail before the engine is built
     config = engine_args.create_engine_config()
     llm_engine = LLMEngine.from_config(config)
     for lora in loras.values():  # checked (and loaded) before the server takes requests
         assert llm_engine.lora is not None
         llm_engine.lora.add(lora)
     engine = AsyncLLMEngine(llm_engine)
-    app = build_app(engine, model_name or engine_args.model, api_key, loras, chat_template)
+    tools = ChatTools(llm_engine.tokenizer, **(tool_options or {}))
+    app = build_app(engine, model_name or engine_args.model, api_key, loras, chat_template, tools)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:
