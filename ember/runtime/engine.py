@@ -327,9 +327,14 @@ class LLMEngine:
         self._validate_prompt(token_ids, params)
         stop_ids = [*params.stop_ids, *self._all_eos_ids]
         controls = resolve_controls(params, self.vocab_size, self.tokenizer, stop_ids)
-        grammar = None
+        grammar, wait_for = None, None
         if params.structured_outputs is not None:
             grammar = self._grammars().compile(params.structured_outputs)
+            after = params.structured_outputs.start_after
+            if after:
+                if self.tokenizer is None:
+                    raise ValueError("structured_outputs.start_after needs a tokenizer")
+                wait_for = list(self.tokenizer.encode(after, add_special_tokens=False))
         max_tokens = min(
             params.max_tokens or self.config.max_model_len,
             self.config.max_model_len - len(token_ids),
@@ -352,7 +357,9 @@ class LLMEngine:
                 ),
                 other_eos_ids=self.other_eos_ids,
                 controls=controls,
-                grammar=self._grammars().matcher(grammar) if grammar is not None else None,
+                grammar=self._grammars().matcher(grammar, wait_for)
+                if grammar is not None
+                else None,
             )
             for i in range(params.n)
         ]

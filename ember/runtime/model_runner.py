@@ -189,7 +189,9 @@ class ModelRunner:
             [r.output_token_ids for r in sampling],
         )
         constrained = [
-            i for i, r in enumerate(sampling) if r.grammar is not None and i not in failed
+            i
+            for i, r in enumerate(sampling)
+            if r.grammar is not None and r.grammar.active and i not in failed
         ]
         if constrained:  # structured outputs: mask what each grammar disallows next
             masks = fill_bitmasks([sampling[i].grammar for i in constrained])  # type: ignore[misc]

@@ -32,7 +32,10 @@ _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 class StructuredOutputsParams:
     """Exactly one of: `json` (a JSON schema, dict or string), `regex`, `choice` (a list of
     strings), `grammar` (EBNF / GBNF), `json_object=True` (any JSON object).
-    `disable_any_whitespace`: no free whitespace between JSON tokens (vLLM's option)."""
+    `disable_any_whitespace`: no free whitespace between JSON tokens (vLLM's option).
+    `start_after` (ember's): the grammar applies only once the output holds this text's tokens
+    (a reasoning model's `</think>`: `ember serve --reasoning-parser` sets it, so that, as in
+    vLLM, the structure constrains the answer after the reasoning)."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -40,6 +43,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    start_after: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
@@ -110,8 +114,10 @@ class GrammarCompiler:
         except Exception as e:  # noqa: BLE001  (xgrammar raises RuntimeError/ValueError/its own)
             raise ValueError(f"structured_outputs.{kind} cannot be compiled: {e}") from e
 
-    def matcher(self, compiled: Any) -> GrammarState:
-        return GrammarState(self._xgr.GrammarMatcher(compiled), self.vocab_size)
+    def matcher(self, compiled: Any, wait_for: list[int] | None = None) -> GrammarState:
+        """A sequence's matcher of `compiled`; with `wait_for` (token ids), dormant until the
+        output ends with them."""
+        return GrammarState(self._xgr.GrammarMatcher(compiled), self.vocab_size, wait_for)
 
 
 def fill_bitmasks(states: list[GrammarState]) -> torch.Tensor:
@@ -138,16 +144,23 @@ _batch_matcher: Any = None
 class GrammarState:
     """One sequence's grammar matcher (`fill_bitmasks` fills the next-token masks of many)."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, wait_for: list[int] | None = None) -> None:
         self.matcher = matcher
         self.words = (vocab_size + 31) // 32
+        self.wait_for = list(wait_for or [])
+        self.active = not self.wait_for  # dormant (no mask, every token taken) until then
+        self._tail: list[int] = []
 
     def accept(self, token: int) -> bool:
+        if not self.active:
+            self._tail = (self._tail + [token])[-len(self.wait_for) :]
+            self.active = self._tail == self.wait_for
+            return True
         return bool(self.matcher.accept_token(token))
 
     @property
     def terminated(self) -> bool:
-        return bool(self.matcher.is_terminated())
+        return self.active and bool(self.matcher.is_terminated())
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

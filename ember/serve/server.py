@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import struct
 import time
@@ -30,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ember.lora.adapter import LoRARequest
 from ember.runtime.llm import render_chat
-from ember.runtime.outputs import RequestOutput
+from ember.runtime.outputs import Logprob, RequestOutput
 from ember.runtime.request import SamplingParams
 from ember.runtime.structured import StructuredOutputsParams
 from ember.serve.async_engine import AsyncLLMEngine
@@ -107,7 +108,8 @@ class _Sampling(BaseModel):
                 values[name] = getattr(self, name)
         values.update(
             n=self.n,
-            max_tokens=max_tokens,
+            # None: the generation config's max_new_tokens, else up to the context's end.
+            max_tokens=max_tokens if max_tokens is not None else values.get("max_tokens"),
             stop=self.stop,
             seed=self.seed,
             logit_bias=self.logit_bias,
@@ -117,13 +119,28 @@ class _Sampling(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.structured(),
+            logprobs=self.logprob_count(),
         )
         return SamplingParams(**values)
+
+    def logprob_count(self) -> int | None:
+        """How many top logprobs each generated token gets (None: no logprobs)."""
+        return None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = None
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None) -> SamplingParams:
+        params = super().sampling_params(defaults, max_tokens)
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs too
+            params.prompt_logprobs = self.logprobs
+        return params
 
 
 class EmbeddingRequest(BaseModel):
@@ -137,6 +154,7 @@ class EmbeddingRequest(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = None  # as vLLM: no limit but the context's (completions: 16)
     max_completion_tokens: int | None = None
     chat_template: str | None = None
     add_generation_prompt: bool = True
@@ -145,6 +163,37 @@ class ChatRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize`: a `prompt`, or chat `messages` through the template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
@@ -183,7 +232,7 @@ def build_app(
 
     @app.middleware("http")
     async def check_key(request: Request, call_next: Any) -> Any:
-        if api_key is not None and request.url.path != "/health":
+        if api_key is not None and request.url.path not in ("/", "/health"):
             if request.headers.get("authorization") != f"Bearer {api_key}":
                 return _error(401, "invalid or missing API key", "AuthenticationError")
         return await call_next(request)
@@ -198,6 +247,14 @@ def build_app(
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    from importlib import resources  # noqa: PLC0415
+
+    page = resources.files("ember.serve").joinpath("static/chat.html").read_text("utf-8")
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page() -> Response:  # the page needs no key; its API calls carry one
+        return Response(page, media_type="text/html")
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -246,6 +303,41 @@ def build_app(
         return {"object": "list", "data": data, "model": body.model or model_name,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Any:
+        if isinstance(bad := check_model(body.model), JSONResponse):
+            return bad
+        try:
+            if tokenizer is None:
+                raise ValueError("this model has no tokenizer")
+            if (body.prompt is None) == (body.messages is None):
+                raise ValueError("/tokenize takes one of prompt or messages")
+            if body.messages is not None:
+                ids = render_chat(
+                    tokenizer, body.messages, body.chat_template or chat_template, "auto",
+                    body.add_generation_prompt, body.continue_final_message, body.tools,
+                    body.chat_template_kwargs, engine.engine.image_token(),
+                )["prompt_token_ids"]  # fmt: skip
+            else:
+                ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)
+                ids = list(ids["input_ids"])
+        except ValueError as e:
+            return _error(400, str(e))
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.engine.config.max_model_len,
+                "tokens": ids, "token_strs": strs}  # fmt: skip
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Any:
+        if isinstance(bad := check_model(body.model), JSONResponse):
+            return bad
+        if tokenizer is None:
+            return _error(400, "this model has no tokenizer")
+        vocab = engine.engine.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            return _error(400, f"tokens must be ids in [0, {vocab})")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Any:
         if isinstance(lora := check_model(body.model), JSONResponse):
@@ -280,6 +372,15 @@ def build_app(
                         "combined with another structured output"
                     )
                 params.structured_outputs = forced
+            if tools.reasoning is not None and params.structured_outputs is not None:
+                # As vLLM: the structure holds for the answer after the reasoning, unless the
+                # prompt already closed it (e.g. Qwen3's enable_thinking=false).
+                start, end = tools.reasoning.start, tools.reasoning.end
+                opened, closed = prompt["prompt"].rfind(start), prompt["prompt"].rfind(end)
+                if not closed > opened >= 0:
+                    params.structured_outputs = dataclasses.replace(
+                        params.structured_outputs, start_after=end
+                    )
             if mode.kind == "auto" and tools.needs_special_tokens:
                 params.skip_special_tokens = False  # the parser's markers are special tokens
         except ValueError as e:
@@ -319,10 +420,13 @@ async def _respond(
     kind = "chat.completion" if chat else "text_completion"
     if body.stream:
         usage = bool((body.stream_options or {}).get("include_usage"))
-        events = _events(streams, params.n, rid, model_name, created, chat, usage)
+        events = _events(streams, params.n, rid, model_name, created, chat, usage,
+                         params.logprobs, bool(getattr(body, "echo", False)), engine)  # fmt: skip
         return StreamingResponse(events, media_type="text/event-stream")
     texts: dict[int, list[str]] = {}
     reasons: dict[int, str | None] = {}
+    logprobs: dict[int, list[dict[int, Logprob]]] = {}
+    echoes: dict[int, tuple[str, list[int], Any]] = {}  # the prompt, echoed into each choice
     prompt_tokens = completion_tokens = 0
     for p, (stream, first) in enumerate(streams):
         outs = [out async for out in _prepend(first, stream)]
@@ -334,17 +438,30 @@ async def _respond(
             for c in out.outputs:
                 idx = p * params.n + c.index
                 texts.setdefault(idx, []).append(c.text)
+                logprobs.setdefault(idx, []).extend(c.logprobs or [])
                 completion_tokens += len(c.token_ids)
                 reasons[idx] = c.finish_reason
+                if getattr(body, "echo", False):
+                    echoes[idx] = (_prompt_text(engine, out), out.prompt_token_ids,
+                                   out.prompt_logprobs)  # fmt: skip
     choices = []
     for idx in sorted(texts):
         text = "".join(texts[idx])
         if chat:
             message, called = chat[0].answer(chat[1], text)
-            choices.append({"index": idx, "message": message,
-                            "finish_reason": "tool_calls" if called else reasons[idx]})  # fmt: skip
+            choice = {"index": idx, "message": message,
+                      "finish_reason": "tool_calls" if called else reasons[idx]}  # fmt: skip
+            if params.logprobs is not None:
+                choice["logprobs"] = {"content": _chat_logprobs(logprobs[idx], params.logprobs)}
+            choices.append(choice)
         else:
-            choices.append({"index": idx, "text": text, "logprobs": None,
+            lps = None
+            prompt, prompt_ids, prompt_lps = echoes.get(idx, ("", [], None))
+            if params.logprobs is not None:
+                lps = _completion_logprobs(logprobs[idx], 0, len(prompt))
+                if idx in echoes:
+                    lps = _merge_logprobs(_prompt_logprobs(engine, prompt_ids, prompt_lps), lps)
+            choices.append({"index": idx, "text": prompt + text, "logprobs": lps,
                             "finish_reason": reasons[idx]})  # fmt: skip
     return {
         "id": rid, "object": kind, "created": created, "model": model_name, "choices": choices,
@@ -365,6 +482,9 @@ async def _events(
     created: int,
     chat: tuple[ChatTools, Any] | None,
     include_usage: bool,
+    logprob_k: int | None = None,
+    echo: bool = False,
+    engine: AsyncLLMEngine | None = None,
 ) -> AsyncIterator[str]:
     """Server-sent events: one chunk per step and sequence with new text, then `[DONE]`.
     Prompts stream one after another (each runs in the engine from the start)."""
@@ -379,6 +499,7 @@ async def _events(
         return f"data: {json.dumps(data)}\n\n"
 
     answers: dict[int, ChatStream] = {}
+    offsets: dict[int, int] = {}  # text offsets of the next token, for completions' logprobs
     try:
         if chat:
             yield event([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -388,21 +509,44 @@ async def _events(
             async for out in outs:
                 prompt_tokens += len(out.prompt_token_ids) if out.finished else 0
                 choices = []
+                if echo and p * n not in offsets:  # the prompt first, as vLLM streams echo
+                    prompt = _prompt_text(engine, out)
+                    lps = None
+                    if logprob_k is not None:
+                        lps = _prompt_logprobs(engine, out.prompt_token_ids, out.prompt_logprobs)
+                    for i in range(n):
+                        offsets[p * n + i] = len(prompt)
+                        yield event([{"index": p * n + i, "text": prompt, "logprobs": lps,
+                                      "finish_reason": None}])  # fmt: skip
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
-                    if not c.text and c.finish_reason is None:
+                    if (
+                        not c.text
+                        and c.finish_reason is None
+                        and not (logprob_k is not None and c.logprobs)
+                    ):
                         continue
                     idx = p * n + c.index
                     if chat:
                         answer = answers.setdefault(idx, chat[0].stream(chat[1]))
                         final = c.finish_reason is not None
-                        for delta in answer.feed(c.text, final):
-                            yield event([{"index": idx, "delta": delta, "finish_reason": None}])
+                        deltas = answer.feed(c.text, final)
+                        if logprob_k is not None and c.logprobs:
+                            deltas = deltas or [{}]
+                            content = _chat_logprobs(c.logprobs, logprob_k)
+                            deltas[0] = {"delta": deltas[0], "logprobs": {"content": content}}
+                        for delta in deltas:
+                            piece = delta if "delta" in delta else {"delta": delta}
+                            yield event([{"index": idx, **piece, "finish_reason": None}])
                         if final:
                             reason = "tool_calls" if answer.called else c.finish_reason
                             choices.append({"index": idx, "delta": {}, "finish_reason": reason})
                     else:
-                        choices.append({"index": idx, "text": c.text,
+                        lps = None
+                        if logprob_k is not None:
+                            lps = _completion_logprobs(c.logprobs or [], 0, offsets.get(idx, 0))
+                            offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in lps["tokens"])
+                        choices.append({"index": idx, "text": c.text, "logprobs": lps,
                                         "finish_reason": c.finish_reason})  # fmt: skip
                 if choices:
                     yield event(choices)
@@ -412,6 +556,81 @@ async def _events(
     finally:  # a client gone mid-stream: every request still running is aborted
         for stream, _ in streams:
             await stream.aclose()  # type: ignore[attr-defined]
+
+
+def _prompt_text(engine: AsyncLLMEngine | None, out: RequestOutput) -> str:
+    """The prompt as text, for `echo` (a token-id prompt decoded)."""
+    if out.prompt is not None:
+        return out.prompt
+    tokenizer = engine.engine.tokenizer if engine is not None else None
+    return tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else ""
+
+
+def _token_text(entry: dict[int, Logprob], token: int) -> str:
+    lp = entry.get(token)
+    return lp.decoded_token if lp is not None and lp.decoded_token is not None else ""
+
+
+def _completion_logprobs(
+    entries: list[dict[int, Logprob]], first: int, offset: int
+) -> dict[str, list[Any]]:
+    """OpenAI's legacy completion logprobs of generated tokens: each entry's first key is
+    the sampled token (ember's order), the rest its top alternatives; `offset`: where the
+    first token's text starts in the choice's text."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for entry in entries[first:]:
+        sampled = next(iter(entry))
+        text = _token_text(entry, sampled)
+        offsets.append(offset)
+        offset += len(text)
+        tokens.append(text)
+        token_lps.append(entry[sampled].logprob)
+        tops.append({lp.decoded_token or "": lp.logprob for lp in entry.values()})
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}  # fmt: skip
+
+
+def _prompt_logprobs(
+    engine: AsyncLLMEngine | None, prompt_ids: list[int], entries: Any
+) -> dict[str, list[Any]]:
+    """The echoed prompt's legacy logprobs: its first token has none (None), as in vLLM."""
+    tokenizer = engine.engine.tokenizer if engine is not None else None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = 0
+    for i, token in enumerate(prompt_ids):
+        entry = entries[i] if entries is not None and i < len(entries) else None
+        text = tokenizer.decode([token]) if tokenizer is not None else ""
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            token_lps.append(entry[token].logprob if token in entry else None)
+            tops.append({lp.decoded_token or "": lp.logprob for lp in entry.values()})
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}  # fmt: skip
+
+
+def _merge_logprobs(prompt: dict[str, list[Any]], out: dict[str, list[Any]]) -> dict[str, Any]:
+    return {key: prompt[key] + out[key] for key in prompt}
+
+
+def _chat_logprobs(entries: list[dict[int, Logprob]], k: int) -> list[dict[str, Any]]:
+    """OpenAI's chat logprobs: per generated token its text, logprob and bytes, and the
+    `k` most likely tokens (by rank) in `top_logprobs`."""
+
+    def item(lp: Logprob) -> dict[str, Any]:
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+    content = []
+    for entry in entries:
+        sampled = next(iter(entry))
+        top = sorted((lp for lp in entry.values() if lp.rank <= k), key=lambda lp: lp.rank)
+        content.append({**item(entry[sampled]), "top_logprobs": [item(lp) for lp in top]})
+    return content
 
 
 async def _prepend(

@@ -348,3 +348,99 @@ def test_serving_benchmark_runs_against_the_server(server):
     assert len(r.ttft_ms) == len(r.tpot_ms) == len(r.e2e_ms) == 6
     assert all(e >= t for e, t in zip(r.e2e_ms, r.ttft_ms, strict=True))
     assert "TTFT ms p50" in r.summary()
+
+
+def _post(server: str, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(server + path, json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {KEY}"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_tokenize_and_detokenize_as_vllm(server, model_dir):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    status, r = _post(server, "/tokenize", {"prompt": "Hello world", "return_token_strs": True})
+    assert status == 200
+    assert r["tokens"] == tok("Hello world")["input_ids"] and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 256
+    assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    messages = [{"role": "user", "content": "hi"}]
+    status, chat = _post(server, "/tokenize", {"messages": messages})
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == tok.encode(text, add_special_tokens=False)
+    status, back = _post(server, "/detokenize", {"tokens": r["tokens"]})
+    assert status == 200 and back["prompt"] == tok.decode(r["tokens"])
+    assert _post(server, "/detokenize", {"tokens": [10**9]})[0] == 400
+    assert _post(server, "/tokenize", {})[0] == 400
+    assert _post(server, "/tokenize", {"prompt": "x", "model": "nope"})[0] == 404
+
+
+def test_completion_logprobs_and_echo_equal_offline(client, offline):
+    prompt = "The quick brown fox"
+    want = offline.generate(prompt, _greedy(logprobs=2, prompt_logprobs=2), use_tqdm=False)[0]
+    got = want.outputs[0]
+    kw = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=2,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text == got.text
+    sampled = [next(iter(e.values())) for e in got.logprobs]
+    assert lp.token_logprobs == pytest.approx([s.logprob for s in sampled], abs=1e-4)
+    assert all(len(t) <= 3 for t in lp.top_logprobs)  # the sampled token and the top 2
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = list(client.completions.create(**kw, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.tokens]  # fmt: skip
+    assert streamed == lp.tokens
+    # echo: the prompt leads the text and, with logprobs, its tokens lead the logprobs (the
+    # first has none), their values the offline prompt_logprobs.
+    r = client.completions.create(**kw, echo=True)
+    assert r.choices[0].text == prompt + got.text
+    elp = r.choices[0].logprobs
+    n = len(want.prompt_token_ids)
+    assert elp.token_logprobs[0] is None and elp.tokens[n:] == lp.tokens
+    prompt_want = [e[t].logprob for t, e in zip(want.prompt_token_ids[1:],
+                                                want.prompt_logprobs[1:], strict=True)]  # fmt: skip
+    assert elp.token_logprobs[1:n] == pytest.approx(prompt_want, abs=1e-4)
+    chunks = list(client.completions.create(**{**kw, "logprobs": None}, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt + got.text
+
+
+def test_chat_logprobs_equal_offline_streamed_or_not(client, offline):
+    messages = [{"role": "user", "content": "hi"}]
+    got = offline.chat(messages, _greedy(logprobs=3), use_tqdm=False)[0].outputs[0]
+    kw = dict(model="tiny", messages=messages, max_tokens=12, temperature=0, logprobs=True,
+              top_logprobs=3, extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == r.choices[0].message.content == got.text
+    assert [c.logprob for c in content] == pytest.approx(
+        [next(iter(e.values())).logprob for e in got.logprobs], abs=1e-4
+    )
+    for c in content:
+        assert len(c.top_logprobs) == 3 and bytes(c.bytes).decode() == c.token
+        ranked = [t.logprob for t in c.top_logprobs]
+        assert ranked == sorted(ranked, reverse=True) and c.logprob <= ranked[0] + 1e-6
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [t.token for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.content]  # fmt: skip
+    assert streamed == [c.token for c in content]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(model="tiny", messages=messages, top_logprobs=2)
+
+
+def test_chat_without_max_tokens_runs_to_the_context_end(client):
+    """As vLLM: a chat request with no max_tokens is bounded by the context only (a
+    completion's default stays OpenAI's 16)."""
+    messages = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 256
+    r = client.completions.create(model="tiny", prompt="hi", temperature=0,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    assert r.usage.completion_tokens == 16

@@ -196,3 +196,40 @@ def test_a_choice_that_stops_on_another_eos_id_leaves_its_text_out(checkpoint_di
         c = out.outputs[0]
         assert c.finish_reason == "stop" and c.stop_reason == other and c.token_ids[-1] == other
         assert c.text in CHOICES, c.text
+
+
+def test_a_grammar_that_starts_after_the_reasoning(checkpoint_dir):
+    """`start_after` (set by `ember serve --reasoning-parser`): the output is free until it
+    holds the reasoning's end, then the grammar holds. A logits processor makes the tiny
+    model write `<think>...</think>` first; without start_after the grammar would forbid it."""
+    from transformers import AutoTokenizer
+
+    d = checkpoint_dir("tiny-llama")
+    forced = AutoTokenizer.from_pretrained(d).encode("<think>hmm</think>", add_special_tokens=False)
+
+    def think_first(output_ids, row):
+        if len(output_ids) < len(forced):
+            keep = row[forced[len(output_ids)]].clone()
+            row.fill_(float("-inf"))
+            row[forced[len(output_ids)]] = keep
+        return row
+
+    llm = _llm(d)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(3, seed=7, low=3, high=20)]
+    after = StructuredOutputsParams(choice=CHOICES, start_after="</think>")
+    params = [SamplingParams(max_tokens=40, temperature=t, seed=i, structured_outputs=after,
+                             logits_processors=[think_first])
+              for i, t in enumerate([0.0, 1.0, 1.0])]  # fmt: skip
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        c = out.outputs[0]
+        assert out.error is None and c.finish_reason == "stop", (out.error, c.text)
+        assert c.text.startswith("<think>hmm</think>") and c.text[18:] in CHOICES, c.text
+    # Without it, the grammar holds from the first token: the forced reasoning is refused.
+    plain = SamplingParams(
+        max_tokens=40,
+        temperature=0.0,
+        logits_processors=[think_first],
+        structured_outputs=StructuredOutputsParams(choice=CHOICES),
+    )
+    out = llm.generate(prompts[0], plain, use_tqdm=False)[0]
+    assert not out.outputs[0].text.startswith("<think>")

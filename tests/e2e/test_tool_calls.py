@@ -282,10 +282,18 @@ def test_a_tool_round_trip_goes_through_the_template(server, model_dir):
     assert final.choices[0].message.content
 
 
+def _forced_closed(text: str) -> dict:
+    """`_forced`, with the reasoning closed in the prompt (enable_thinking false: the template
+    writes <think></think>), so that the structure holds from the first token; otherwise a
+    reasoning server applies it only after the model's own </think>."""
+    return {**_forced(text), "chat_template_kwargs": {"enable_thinking": False}}
+
+
 def test_reasoning_is_split_streamed_or_not(server):
     client = _client(server, "qwen3")
     text = "<think>\nThe user wants Paris.\n</think>\n\nIt is sunny."
-    kw = dict(model="tiny", messages=ASK, max_tokens=200, temperature=0, extra_body=_forced(text))
+    kw = dict(model="tiny", messages=ASK, max_tokens=200, temperature=0,
+              extra_body=_forced_closed(text))  # fmt: skip
     r = client.chat.completions.create(**kw)
     message = r.choices[0].message
     reasoning = message.model_extra["reasoning_content"]
@@ -296,14 +304,18 @@ def test_reasoning_is_split_streamed_or_not(server):
     # Tool calls are read from the answer after the reasoning.
     hermes = FORMATS["hermes"][0]
     r = client.chat.completions.create(
-        **{**kw, "tools": TOOLS, "extra_body": _forced("<think>plan</think>" + hermes)}
+        **{**kw, "tools": TOOLS, "extra_body": _forced_closed("<think>plan</think>" + hermes)}
     )
     assert _calls(r.choices[0].message) == CALLS
     assert r.choices[0].message.model_extra["reasoning_content"] == "plan"
-    # deepseek_r1: the template opened <think>, so the answer starts inside it.
+    # With the reasoning open, the structure waits for the model's </think> (which this tiny
+    # model does not write): the answer is free text, not the choice.
+    r = client.chat.completions.create(**{**kw, "max_tokens": 6, "extra_body": _forced("yes")})
+    assert r.choices[0].message.content != "yes"
+    # deepseek_r1: an answer that starts inside the reasoning (as after R1's template).
     r1 = _client(server, "deepseek_r1")
     r = r1.chat.completions.create(
-        **{**kw, "extra_body": _forced("Thinking it over.</think>It is sunny.")}
+        **{**kw, "extra_body": _forced_closed("Thinking it over.</think>It is sunny.")}
     )
     assert r.choices[0].message.model_extra["reasoning_content"] == "Thinking it over."
     assert r.choices[0].message.content == "It is sunny."
