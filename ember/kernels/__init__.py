@@ -1,7 +1,10 @@
-"""ember's own C++ CPU kernels (`csrc/ember_cpu.cpp`), built once per machine (one compiler
-command in a subprocess, linked against torch's libraries) and registered as aten-style ops
-(`torch.ops.ember_cpu.*`), so compiled graphs call them straight through the dispatcher (the
-per-layer ones through the build's fast calls: `install_fast_calls`).
+"""ember's own C++ CPU kernels (`csrc/`: one translation unit, `ember_cpu.cpp`, with the one
+registration list, including one header per kernel family: `vec.h`, `linear_dense.h`,
+`linear_group.h`, `attention.h`, `logits.h`, `packing.h`, `fast_calls.h`), built once per
+machine (one compiler command in a subprocess, linked against torch's libraries) and
+registered as aten-style ops (`torch.ops.ember_cpu.*`), so compiled graphs call them straight
+through the dispatcher (the per-layer ones through the build's fast calls:
+`install_fast_calls`).
 
 `ember_cpu::paged_attention_cpu(out, query, key, value, cache, slot_mapping, query_start_loc,
 seq_lens, block_tables, scale, sliding_window, split_min_tokens) -> flags`: the torch attention
@@ -80,7 +83,16 @@ from ember.host import cpu_target, native_enables, private_dir, resolve_isa, use
 
 logger = logging.getLogger("ember")
 
-SOURCES = (os.path.join(os.path.dirname(__file__), "csrc", "ember_cpu.cpp"),)
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+# The one translation unit the compiler builds; it includes the kernel families' headers.
+SOURCES = (os.path.join(_CSRC, "ember_cpu.cpp"),)
+
+
+def source_files() -> list[str]:
+    """Every file of the build (the unit and its headers), which its cache key hashes."""
+    return sorted(os.path.join(_CSRC, f) for f in os.listdir(_CSRC) if f.endswith((".cpp", ".h")))
+
+
 _CFLAGS = ["-O3", "-fopenmp"]
 # Per `ember.host.CPU_ISAS`: the native build, or AVX2 + FMA without AVX-512 (x86-64-v3).
 _ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=native"]}
@@ -277,9 +289,9 @@ def _build_with(isa: str, cflags: tuple[str, ...]) -> _Build:
     if not os.path.exists(os.path.join(python_include, "Python.h")):
         fast = []
     digest = hashlib.sha256()
-    for path in SOURCES:
+    for path in source_files():
         with open(path, "rb") as f:
-            digest.update(f.read())
+            digest.update(os.path.basename(path).encode() + b"\0" + f.read())
     # The exact target -march resolves to here, not only the coarse ISA: a home directory
     # shared across CPU generations never loads a library built for another CPU.
     target = cpu_target(next(f for f in cflags if f.startswith("-march=")))
@@ -404,7 +416,7 @@ def install_fast_calls() -> None:
     dropped, unboxed again) cost 1.5-2.3 us more per call than a fast call (a 64x64 int4
     `group_linear`: 3.08 against 1.53 us on 1 thread, 5.25 against 2.96 on 2; AMD EPYC), and
     a 12-layer model makes 60 such calls per batch-1 step. The fast calls (`ember_cpu_fast_calls` in
-    csrc/ember_cpu.cpp) are Python builtins that read the arguments straight from the Python
+    csrc/fast_calls.h) are Python builtins that read the arguments straight from the Python
     objects and call the same op through the dispatcher's unboxed path (profiling and dispatch
     modes kept); any argument they do not read (a tensor subclass, a SymInt) goes to the op.
     Generated code names them `extern_kernels.ember_cpu_<op>` (inductor's namespace for

@@ -1,0 +1,546 @@
+// Paged attention: decode and prefill from the paged K/V cache, and its writes.
+// One part of ember_cpu.cpp's translation unit (included there, in order; not built alone).
+#pragma once
+
+namespace {
+
+// q . k over one head's D values (k widened to fp32), and acc += p * v.
+template <typename C>
+inline float dot_row(const float* q, const C* k, int64_t D) {
+  int64_t d = 0;
+  float dot = 0.f;
+#ifdef EMBER_SIMD
+  vfloat a = vzero();
+  for (; d + kLanes <= D; d += kLanes) a = vfma(vload(q + d), vwiden(k + d), a);
+  dot = vsum(a);
+#endif
+  for (; d < D; ++d) dot += q[d] * to_float(k[d]);
+  return dot;
+}
+
+template <typename C>
+inline void add_scaled_row(float* acc, float p, const C* v, int64_t D) {
+  int64_t d = 0;
+#ifdef EMBER_SIMD
+  const vfloat pv = vset1(p);
+  for (; d + kLanes <= D; d += kLanes) vstore(acc + d, vfma(pv, vwiden(v + d), vload(acc + d)));
+#endif
+  for (; d < D; ++d) acc[d] += p * to_float(v[d]);
+}
+
+#ifdef EMBER_SIMD
+// Scores of up to kLanes cache rows at once: lane j = q . k_j for j < L (k_j = k + j * stride),
+// 0 beyond; D a multiple of kLanes. One accumulator per row, summed by one transpose-and-add
+// tree rather than one horizontal reduction per row. A full set of rows runs the rows' FMA
+// chains interleaved (D-slice outer, row inner): one row's D / kLanes FMAs form a dependent
+// chain, and walking the rows one by one ran at the FMA latency (a third of the step's
+// attention time at llama-160m's D = 64).
+template <typename C>
+inline vfloat row_scores(const float* q, const C* k, int64_t stride, int64_t D, int64_t L) {
+  vfloat acc[kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) acc[j] = vzero();
+  if (L == kLanes && D == 4 * kLanes) {  // D = 64 (AVX-512) / 32 (AVX2): in registers
+#pragma GCC unroll 4
+    for (int64_t d = 0; d < 4 * kLanes; d += kLanes) {
+      const vfloat qd = vload(q + d);
+      const C* kj = k + d;
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < kLanes; ++j, kj += stride) acc[j] = vfma(qd, vwiden(kj), acc[j]);
+    }
+  } else if (L == kLanes) {
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const vfloat qd = vload(q + d);
+      const C* kj = k + d;
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < kLanes; ++j, kj += stride) acc[j] = vfma(qd, vwiden(kj), acc[j]);
+    }
+  } else {
+    for (int64_t j = 0; j < L; ++j) {
+      const C* kj = k + j * stride;
+      for (int64_t d = 0; d < D; d += kLanes) acc[j] = vfma(vload(q + d), vwiden(kj + d), acc[j]);
+    }
+  }
+  return vsum_lanes(acc);
+}
+
+inline float vmax_all(vfloat v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(v);
+#else
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+#endif
+}
+
+// max(s[0 : n]), n >= 1, a vector at a time (a scalar max or sum over a block's scores is one
+// dependent chain of n operations).
+inline float scores_max(const float* s, int64_t n) {
+  vfloat m = vset1(-INFINITY);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) m = vmax(m, vload(s + j));
+  float mx = vmax_all(m);
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
+  return mx;
+}
+
+// s[j] = exp(s[j] - mx) for j < n; returns their sum.
+inline float exp_scores(float* s, int64_t n, float mx) {
+  const vfloat mv = vset1(mx);
+  vfloat sum = vzero();
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const vfloat e = vexp(vsub(vload(s + j), mv));
+    vstore(s + j, e);
+    sum = vadd(sum, n - j >= kLanes ? e : vload_n(s + j, n - j));
+  }
+  return vsum(sum);
+}
+#endif
+
+#ifdef EMBER_SIMD
+// acc[0 : NV * kLanes] = acc * scale + sum_j p[j] * v_j[0 : NV * kLanes] (v_j = v + j * stride): NV
+// independent FMA chains (one chain per D-slice ran at the FMA latency: 16 dependent FMAs per
+// 16-row block); under 8 slices, the even and odd rows feed separate chains, summed at the end.
+template <int NV, typename C>
+inline void add_weighted_rows(float* acc, float scale, const float* p, const C* v,
+                              int64_t stride, int64_t count) {
+  constexpr int R = NV >= 8 ? 1 : 2;  // row streams
+  vfloat a[R][NV];
+#pragma GCC unroll 8
+  for (int c = 0; c < NV; ++c) {
+    a[0][c] = vmul(vload(acc + c * kLanes), vset1(scale));
+    if constexpr (R == 2) a[1][c] = vzero();
+  }
+  int64_t j = 0;
+  for (; j + R <= count; j += R) {
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+      const vfloat pj = vset1(p[j + r]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) {
+        a[r][c] = vfma(pj, vwiden(v + (j + r) * stride + c * kLanes), a[r][c]);
+      }
+    }
+  }
+  for (; j < count; ++j) {
+    const vfloat pj = vset1(p[j]);
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) a[0][c] = vfma(pj, vwiden(v + j * stride + c * kLanes), a[0][c]);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < NV; ++c) {
+    vstore(acc + c * kLanes, R == 2 ? vadd(a[0][c], a[R - 1][c]) : a[0][c]);
+  }
+}
+#endif
+
+// The K and V rows of the cache block a decode attends next (`bytes` of each), fetched while
+// the current block is computed: a part of their cache lines at a time (`fetch(part, parts)`),
+// between the current block's heads. All of them at once, at the start of the block, queued
+// hundreds of misses ahead of the block's own loads and left the loads waiting; spread over
+// the block they arrive under its arithmetic. Caches streamed from DRAM, AVX2 build, AMD EPYC
+// Zen 5: 32 llama-160m decodes at context 192, 0.48-0.51 -> 0.31-0.32 ms a layer with a
+// float32 cache, 0.44 -> 0.21 with bfloat16; one decode at context 2048, 0.15-0.17 -> 0.09-0.10.
+// Into L2 (_MM_HINT_T1) instead of L1 measured slower both from DRAM and from L3.
+struct Ahead {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t bytes = 0;
+  void fetch(int64_t part, int64_t parts) const {
+    const int64_t lines = (bytes + 63) / 64;
+    for (int64_t c = lines * part / parts; c < lines * (part + 1) / parts; ++c) {
+      _mm_prefetch(k + c * 64, _MM_HINT_T0);
+      _mm_prefetch(v + c * 64, _MM_HINT_T0);
+    }
+  }
+};
+
+#ifdef EMBER_SIMD
+// One cache block's `count` rows (k, v: the block's first row of K / V, rows `stride` apart,
+// KV head h at h * D) attended by every query head: the online softmax's state m, l (per head)
+// and acc ([H, D]) updated. Phase by phase over all heads (scores, then maxima and
+// corrections, then weights, then the weighted V rows), so the heads' short dependent chains
+// (a transpose tree, a max, an exp, a sum) overlap instead of running one after another; a
+// head's rescale by its correction is folded into its weighted sum. `s`: scratch of
+// H * (round_up(count, kLanes)) + 2 * (H + kLanes) floats. `ahead`: fetched a part per head.
+template <typename C>
+void attend_block(const C* k, const C* v, int64_t stride, int64_t count, int64_t H,
+                  int64_t group, int64_t D, const float* qs, float* acc, float* m, float* l,
+                  float* s, const Ahead& ahead) {
+  const int64_t sb = (count + kLanes - 1) / kLanes * kLanes;
+  float* m_new = s + H * sb;
+  float* corr = m_new + H + kLanesMax;
+  for (int64_t g = 0; g < H; ++g) {
+    ahead.fetch(g, 2 * H);
+    const C* kh = k + (g / group) * D;
+    for (int64_t j = 0; j < count; j += kLanes) {
+      vstore(s + g * sb + j, row_scores(qs + g * D, kh + j * stride, stride, D,
+                                        std::min(kLanes, count - j)));
+    }
+  }
+  for (int64_t g = 0; g < H; ++g) m_new[g] = std::max(m[g], scores_max(s + g * sb, count));
+  for (int64_t g = 0; g < H; g += kLanes) {  // exp(m - m_new): 0 (as good as) for m = -inf
+    vstore(corr + g, vexp(vsub(vload(m + g), vload(m_new + g))));
+  }
+  for (int64_t g = 0; g < H; ++g) {
+    l[g] = l[g] * corr[g] + exp_scores(s + g * sb, count, m_new[g]);
+    m[g] = m_new[g];
+  }
+  for (int64_t g = 0; g < H; ++g) {
+    ahead.fetch(H + g, 2 * H);
+    const C* vh = v + (g / group) * D;
+    float* ag = acc + g * D;
+    const float* p = s + g * sb;
+    for (int64_t d = 0; d < D;) {  // up to 8 independent FMA chains per block row
+      const int64_t left = (D - d) / kLanes;
+      if (left >= 8) {
+        add_weighted_rows<8>(ag + d, corr[g], p, vh + d, stride, count);
+      } else if (left >= 4) {
+        add_weighted_rows<4>(ag + d, corr[g], p, vh + d, stride, count);
+      } else if (left >= 2) {
+        add_weighted_rows<2>(ag + d, corr[g], p, vh + d, stride, count);
+      } else {
+        add_weighted_rows<1>(ag + d, corr[g], p, vh + d, stride, count);
+      }
+      d += kLanes * (left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1);
+    }
+  }
+}
+#endif
+
+// Decode attention straight from the paged cache: every K/V head of a sequence in one task, so
+// a cache block's rows are read as one contiguous run (16 KB a block for llama-160m) rather
+// than one head's 256-byte row out of every 1 KB; an online softmax over the task's context,
+// read one block at a time in place (scores of the block first, then one rescale per block,
+// not per position); the query heads of a GQA group share each K/V row. Too few sequences to
+// keep every thread busy: each sequence's context is split into parts of at least
+// `split_min_tokens` (flash-decoding), attended in parallel and merged by their log-sum-exp.
+// q, out: [T, H, D] float32; cache: [2, num_blocks, block_size, Hkv, D].
+// With SIMD and D a multiple of the vector width: kLanes scores per transpose-and-add tree, the
+// softmax weights by a vector exp, and the weighted sum of V rows accumulated in registers one
+// D-slice at a time.
+// One query row: the query token t of sequence seq attends the context positions [lo, hi).
+struct QueryRow {
+  int64_t t, seq, lo, hi;
+};
+
+template <typename C>
+void attend_rows(float* op, const float* qp, const at::Tensor& cache,
+                 const std::vector<QueryRow>& rows, const int64_t* tables, int64_t max_blocks,
+                 int64_t H, float sc, int64_t split_min_tokens) {
+  const int64_t NB = cache.size(1), BS = cache.size(2), Hkv = cache.size(3), D = cache.size(4);
+  const int64_t group = H / Hkv, n = static_cast<int64_t>(rows.size()), stride = Hkv * D;
+  const C* kp = cache.data_ptr<C>();
+  const C* vp = kp + NB * BS * Hkv * D;
+#ifdef EMBER_SIMD
+  const bool simd = D % kLanes == 0;
+#else
+  const bool simd = false;
+#endif
+  // Parts per sequence: enough tasks for 4 per thread, none shorter than split_min_tokens.
+  const int64_t threads = at::get_num_threads();
+  int64_t parts = 1;
+  if (n < 4 * threads) {
+    int64_t longest = 0;
+    for (const QueryRow& r : rows) longest = std::max(longest, r.hi - r.lo);
+    const int64_t most = std::max<int64_t>(1, longest / std::max<int64_t>(split_min_tokens, 1));
+    parts = std::min((4 * threads + n - 1) / n, most);
+  }
+  // Each part's unnormalized sums: [n * parts, H, D] and its softmax max and sum [n * parts, H].
+  std::vector<float> part_acc, part_m, part_l;
+  if (parts > 1) {
+    part_acc.resize(n * parts * H * D);
+    part_m.resize(n * parts * H);
+    part_l.resize(n * parts * H);
+  }
+  at::parallel_for(0, n * parts, 1, [&](int64_t u0, int64_t u1) {
+    // m padded to whole vectors (attend_block reads it a vector of heads at a time)
+    std::vector<float> acc(H * D), qs(H * D), m(H + kLanesMax), l(H),
+        s(H * (BS + kLanesMax) + 2 * (H + kLanesMax));
+    // Task u's sequence and positions [lo, hi): its part of the context [first, len), split
+    // at block boundaries.
+    auto span = [&](int64_t u, int64_t& lo, int64_t& hi) {
+      const int64_t q_i = u / parts, part = u % parts;
+      const int64_t first = rows[q_i].lo, len = rows[q_i].hi;
+      const int64_t b0 = first / BS, blocks = (len - 1) / BS + 1 - b0;
+      lo = std::max(first, (b0 + blocks * part / parts) * BS);
+      hi = std::min(len, (b0 + blocks * (part + 1) / parts) * BS);
+      return rows[q_i].seq;
+    };
+    // The rows [from, to) of sequence seq's block at position `from` (none when from >= to).
+    auto rows_at = [&](int64_t seq, int64_t from, int64_t to) {
+      Ahead a;
+      if (from >= to) return a;
+      const int64_t blk = tables[seq * max_blocks + from / BS];
+      const int64_t off = from % BS, count = std::min(BS - off, to - from);
+      a.k = reinterpret_cast<const char*>(kp + (blk * BS + off) * stride);
+      a.v = reinterpret_cast<const char*>(vp + (blk * BS + off) * stride);
+      a.bytes = count * stride * static_cast<int64_t>(sizeof(C));
+      return a;
+    };
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t q_i = u / parts, t = rows[q_i].t;
+      int64_t lo, hi, next_lo = 0, next_hi = 0;
+      const int64_t i = span(u, lo, hi);
+      const int64_t next_i = u + 1 < u1 ? span(u + 1, next_lo, next_hi) : 0;
+      for (int64_t e = 0; e < H; ++e) {  // state e: query head e
+        const float* qr = qp + (t * H + e) * D;
+        for (int64_t d = 0; d < D; ++d) qs[e * D + d] = qr[d] * sc;
+        m[e] = -INFINITY;
+        l[e] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t start = lo; start < hi;) {
+        const int64_t off = start % BS, count = std::min(BS - off, hi - start);
+        const int64_t blk = tables[i * max_blocks + start / BS];
+        // Ahead of the hardware prefetcher: this task's next block, or the next task's first.
+        const Ahead ahead = start + count < hi ? rows_at(i, start + count, hi)
+                                               : rows_at(next_i, next_lo, next_hi);
+#ifdef EMBER_SIMD
+        if (simd) {
+          attend_block(kp + (blk * BS + off) * stride, vp + (blk * BS + off) * stride, stride,
+                       count, H, group, D, qs.data(), acc.data(), m.data(), l.data(), s.data(),
+                       ahead);
+          start += count;
+          continue;
+        }
+#endif
+        ahead.fetch(0, 1);
+        for (int64_t g = 0; g < H; ++g) {
+          const int64_t h = g / group;
+          const C* kb = kp + ((blk * BS + off) * Hkv + h) * D;
+          const C* vb = vp + ((blk * BS + off) * Hkv + h) * D;
+          const float* qg = qs.data() + g * D;
+          float* ag = acc.data() + g * D;
+          float mx = m[g];
+          for (int64_t j = 0; j < count; ++j) s[j] = dot_row(qg, kb + j * stride, D);
+          for (int64_t j = 0; j < count; ++j) mx = std::max(mx, s[j]);
+          if (mx > m[g]) {  // a new maximum: rescale what is summed so far
+            const float correction = std::exp(m[g] - mx);
+            l[g] *= correction;
+            for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
+            m[g] = mx;
+          }
+          for (int64_t j = 0; j < count; ++j) {
+            const float p = std::exp(s[j] - mx);
+            l[g] += p;
+            add_scaled_row(ag, p, vb + j * stride, D);
+          }
+        }
+        start += count;
+      }
+      if (parts > 1) {  // merged below
+        std::copy(acc.begin(), acc.end(), part_acc.begin() + u * H * D);
+        std::copy(m.begin(), m.begin() + H, part_m.begin() + u * H);
+        std::copy(l.begin(), l.end(), part_l.begin() + u * H);
+        continue;
+      }
+      for (int64_t e = 0; e < H; ++e) {
+        float* o = op + (t * H + e) * D;
+        const float inv = l[e] > 0.f ? 1.f / l[e] : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[e * D + d] * inv;
+      }
+    }
+  });
+  if (parts == 1) return;
+  // out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M), M the parts' largest max (a part
+  // with no positions has m = -inf and weight 0).
+  at::parallel_for(0, n * H, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t q_i = r / H, e = r % H;
+      float* o = op + (rows[q_i].t * H + e) * D;
+      float mx = -INFINITY, total = 0.f;
+      for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, part_m[(q_i * parts + p) * H + e]);
+      std::fill(o, o + D, 0.f);
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t u = q_i * parts + p;
+        if (part_l[u * H + e] == 0.f) continue;
+        const float w = std::exp(part_m[u * H + e] - mx);
+        total += part_l[u * H + e] * w;
+        const float* a = part_acc.data() + (u * H + e) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += a[d] * w;
+      }
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  });
+}
+
+// An index tensor's values as contiguous int64: its own data when it is that already, else
+// widened into `buf` (the runner's int32 metadata) without an ATen allocation per call.
+const int64_t* as_int64(const at::Tensor& t, std::vector<int64_t>& buf) {
+  if (t.scalar_type() == at::kLong && t.is_contiguous()) return t.data_ptr<int64_t>();
+  buf.resize(t.numel());
+  if (t.scalar_type() == at::kInt && t.is_contiguous()) {
+    const int32_t* p = t.data_ptr<int32_t>();
+    std::copy(p, p + t.numel(), buf.begin());
+  } else {
+    const at::Tensor l = t.to(at::kLong).contiguous();
+    std::copy(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel(), buf.begin());
+  }
+  return buf.data();
+}
+
+// cache[0 / 1] rows at `slot_mapping` = key / value rows ([T, Hkv, D], cast to the cache's
+// dtype): plain row copies, no indexing dispatch.
+void write_slots(at::Tensor& cache, const at::Tensor& key, const at::Tensor& value,
+                 const at::Tensor& slot_mapping) {
+  const int64_t rows = cache.size(1) * cache.size(2), row = cache.size(3) * cache.size(4);
+  const int64_t T = slot_mapping.numel(), elem = cache.element_size();
+  TORCH_CHECK(key.numel() == T * row && value.numel() == T * row,
+              "paged_attention_cpu: key/value must hold one [Hkv, D] row per slot");
+  std::vector<int64_t> slots_buf;
+  const int64_t* sp = as_int64(slot_mapping, slots_buf);
+  const at::Tensor k = key.to(cache.scalar_type()).contiguous();
+  const at::Tensor v = value.to(cache.scalar_type()).contiguous();
+  char* base = static_cast<char*>(cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < rows, "paged_attention_cpu: slot ", sp[t],
+                " is outside the cache's ", rows, " slots");
+    std::memcpy(base + sp[t] * row * elem, kp + t * row * elem, row * elem);
+    std::memcpy(base + (rows + sp[t]) * row * elem, vp + t * row * elem, row * elem);
+  }
+}
+
+// A prefill chunk's rows reordered so that every contiguous run of them holds about its share
+// of the work: at::parallel_for hands each thread one contiguous range, and a causal chunk's
+// rows in order put its short contexts on the first thread and its long ones on the last (a
+// 128-token prefill: 3x the positions on one of two threads). Alternately the shortest and the
+// longest rows left, so neighbours' costs sum to about the same; the rows stay with their
+// sequence's (whose K/V rows they share in cache).
+void balance_chunk(std::vector<QueryRow>& rows, size_t first, size_t last) {
+  std::vector<QueryRow> by_cost(rows.begin() + first, rows.begin() + last);
+  std::stable_sort(by_cost.begin(), by_cost.end(), [](const QueryRow& a, const QueryRow& b) {
+    return a.hi - a.lo < b.hi - b.lo;
+  });
+  size_t lo = 0, hi = by_cost.size();
+  for (size_t i = first; i < last; ++i) rows[i] = (i - first) % 2 ? by_cost[--hi] : by_cost[lo++];
+}
+
+// Prefill chunks of a step are attended here too (`chunks`) while their query rows' contexts
+// add up to at most this many positions; past it (long prompts, long prefixes) they are left
+// to the PyTorch code, whose SDPA reuses each K/V row across the query rows of a chunk.
+// 2^18: a step of 2,048 tokens of ~40-token texts (an embedding batch) is ~80,000; a
+// 128-token prompt 8,256.
+constexpr int64_t kChunkRowsMaxPositions = int64_t{1} << 18;
+
+// Write the step's K/V, then attend every decode and, with `chunks`, the prefill chunks (each
+// of their query rows as a row of its own: positions [0, p] causal or the whole sequence,
+// within the sliding window) unless too long; returns 1 when chunks are left.
+int64_t attend_step(at::Tensor& out, const at::Tensor& query, const at::Tensor& key,
+                    const at::Tensor& value, at::Tensor& cache, const at::Tensor& slot_mapping,
+                    const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                    const at::Tensor& block_tables, double scale, int64_t sliding_window,
+                    int64_t split_min_tokens, bool causal, bool chunks) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && cache.is_contiguous(),
+              "paged_attention_cpu: out must be contiguous float32, the cache contiguous");
+  TORCH_CHECK(cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16,
+              "paged_attention_cpu: the cache must be float32 or bfloat16");
+  const int64_t H = query.size(1);
+  write_slots(cache, key, value, slot_mapping);
+  std::vector<int64_t> qsl_buf, lens_buf, tables_buf;
+  const int64_t* qsl = as_int64(query_start_loc, qsl_buf);
+  const int64_t* lens = as_int64(seq_lens, lens_buf);
+  std::vector<QueryRow> rows, chunk_rows;
+  int64_t flags = 0, chunk_positions = 0;
+  for (int64_t i = 0; i < seq_lens.numel(); ++i) {
+    const int64_t q_len = qsl[i + 1] - qsl[i];
+    if (q_len > 1) flags |= 1;
+    if (q_len > 1 && !chunks) continue;
+    for (int64_t j = 0; j < q_len; ++j) {  // query row j sits at position p
+      const int64_t p = lens[i] - q_len + j;
+      const int64_t hi = causal ? p + 1 : lens[i];
+      const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
+      if (q_len == 1) {
+        rows.push_back({qsl[i], i, lo, hi});
+      } else {
+        chunk_rows.push_back({qsl[i] + j, i, lo, hi});
+        chunk_positions += hi - lo;
+      }
+    }
+  }
+  if (!chunk_rows.empty() && chunk_positions <= kChunkRowsMaxPositions) {
+    const size_t first = rows.size();
+    rows.insert(rows.end(), chunk_rows.begin(), chunk_rows.end());
+    flags = 0;
+    for (size_t i = first, j = first; i < rows.size(); i = j) {  // one chunk at a time
+      while (j < rows.size() && rows[j].seq == rows[i].seq) ++j;
+      balance_chunk(rows, i, j);
+    }
+  }
+  if (rows.empty()) return flags;
+  const at::Tensor q = query.to(at::kFloat).contiguous();
+  const int64_t* tables = as_int64(block_tables, tables_buf);
+  const int64_t max_blocks = block_tables.size(1);
+  const float sc = static_cast<float>(scale);
+  if (cache.scalar_type() == at::kFloat) {
+    attend_rows<float>(out.data_ptr<float>(), q.data_ptr<float>(), cache, rows, tables,
+                       max_blocks, H, sc, split_min_tokens);
+  } else {
+    attend_rows<c10::BFloat16>(out.data_ptr<float>(), q.data_ptr<float>(), cache, rows, tables,
+                               max_blocks, H, sc, split_min_tokens);
+  }
+  return flags;
+}
+
+// The torch backend's paged attention for the common case, in one call: write the step's K/V
+// into the cache, then attend every decode (one new token) in place from the blocks into
+// `out` (float32, zeros). Returns flags for what is left to the PyTorch code: 1 = prefill
+// chunks / prefix hits are present (2, decodes, is never left: a decode whose context is
+// worth splitting is split here, into parts of at least split_min_tokens).
+int64_t paged_attention_cpu(at::Tensor out, const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, at::Tensor cache,
+                            const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
+                            const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                            double scale, int64_t sliding_window, int64_t split_min_tokens) {
+  return attend_step(out, query, key, value, cache, slot_mapping, query_start_loc, seq_lens,
+                     block_tables, scale, sliding_window, split_min_tokens, true, false);
+}
+
+// The shortest part of a decode's context that the flash-decoding split makes: two blocks of
+// 16, so a batch-1 decode over llama-160m's 140-token W-LAT context already gives two threads
+// four parts (the value itself was not tuned against others).
+constexpr int64_t kSplitMinTokens = 32;
+
+// `ember::paged_attention` (the torch backend's op, contract in ember.attention.ops) with the
+// common case in C++: a decode step runs no Python at all (the Python op's own wrapper cost
+// ~10 us per layer). What `paged_attention_cpu` leaves (prefill chunks, split decodes) and
+// soft-capped models go to the PyTorch code through the dispatcher
+// (`ember::paged_attention_rest` / `ember::paged_attention`, ember.attention.torch_cpu).
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,
+                           const at::Tensor& value, at::Tensor cache,
+                           const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                           double scale, int64_t sliding_window, double softcap, bool causal) {
+  if (softcap > 0) {
+    static const auto python_op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("ember::paged_attention", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, double, int64_t, double,
+                              bool)>();
+    return python_op.call(query, key, value, cache, slot_mapping, query_start_loc, seq_lens,
+                          block_tables, scale, sliding_window, softcap, causal);
+  }
+  at::Tensor out = at::zeros(query.sizes(), query.options().dtype(at::kFloat));
+  const int64_t left =
+      attend_step(out, query, key, value, cache, slot_mapping, query_start_loc, seq_lens,
+                  block_tables, scale, sliding_window, kSplitMinTokens, causal, true);
+  if (left != 0) {
+    static const auto rest =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("ember::paged_attention_rest", "")
+            .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                        int64_t, double, bool, int64_t)>();
+    rest.call(out, query, cache, query_start_loc, seq_lens, block_tables, scale, sliding_window,
+              softcap, causal, left);
+  }
+  return query.scalar_type() == at::kFloat ? out : out.to(query.scalar_type());
+}
+
+}  // namespace

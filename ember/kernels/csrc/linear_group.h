@@ -1,0 +1,576 @@
+// Group-quantized linears (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, and ember's int4): activations
+// quantized per group of 32, integer dot products.
+// One part of ember_cpu.cpp's translation unit (included there, in order; not built alone).
+#pragma once
+
+namespace {
+
+// ---- Group-quantized linears: GGUF's Q8_0, Q4_0 and Q4_1, and ember's int4 ----
+//
+// A weight [N, K] in groups of kGroup = 32 consecutive k of one output channel, each group with
+// an fp16 scale d and, for asymmetric 4-bit codes, an fp16 offset m: w = d * q (8-bit codes in
+// [-127, 127]), d * (q - 8) (symmetric 4-bit codes in [0, 15]) or d * q + m (asymmetric): the
+// values of GGUF's Q8_0, Q4_0 and Q4_1 blocks exactly. Packed in panels of kPanel output
+// channels with each channel's codes for 4 (8-bit) or 8 (4-bit) consecutive k in one 32-bit
+// lane, the layout integer dot-product instructions read (see ember.compiler.quant.GroupLinear):
+// codes [P, K / 4, kPanel, 4] uint8 holding q + 128 (8-bit), or [P, K / 8, kPanel, 4] uint8
+// whose byte j holds k = 8i + j in its low nibble and 8i + 4 + j in its high one (4-bit); d and
+// m [P, K / kGroup, kPanel] fp16.
+//
+// As llama.cpp does, each row of x is quantized to int8 per group of 32 (scale max|x| / 127) and
+// the products summed in int32: vpdpbusd (AVX512-VNNI / AVX-VNNI: 64 byte products per
+// instruction), else vpmaddubsw + vpmaddwd; each group's sum is scaled once, d * dx * sum
+// (+ m * dx * sum(xq)). Four to eight times fewer instructions per weight than widening the
+// codes to fp32: a 4-bit decode stays memory-bound and prefill runs at the integer rate.
+// (Widening to fp32, measured first: llama-160m's 84 projections, AMD EPYC 2 cores, M=1 ms per
+// pass: q8_0 3.14, q4_0 2.40, both compute-bound.)
+constexpr int64_t kGroup = 32;
+
+#ifdef EMBER_SIMD
+#if defined(__AVX512F__)
+inline vfloat vhalf(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#else
+inline vfloat vhalf(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+#endif
+
+
+// x [M, K] quantized per group of 32: codes, scale dx (x ~ dx * xq) and sum(xq) per group.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+  std::vector<int32_t> half;  // the sum of each group's first 16 (6-bit weights: two scales)
+};
+
+inline void quantize_group(const float* x, int8_t* q, float* scale, int32_t* sum,
+                           int32_t* half) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  *scale = amax / 127.f;
+  int32_t s = 0;
+  for (int64_t k = 0; k < kGroup; ++k) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(x[k] * inv));
+    q[k] = static_cast<int8_t>(v);
+    s += v;
+    if (k == kGroup / 2 - 1) *half = s;
+  }
+  *sum = s;
+}
+
+#ifdef EMBER_SIMD
+#if defined(__AVX512F__)
+inline void quantize_group_simd(const float* x, int8_t* q, float* scale, int32_t* sum,
+                               int32_t* half) {
+  const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));  // round to nearest even
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+  *scale = amax / 127.f;
+  *half = _mm512_reduce_add_epi32(q0);
+  *sum = *half + _mm512_reduce_add_epi32(q1);
+}
+#else
+inline void quantize_group_simd(const float* x, int8_t* q, float* scale, int32_t* sum,
+                               int32_t* half) {
+  __m256 v[4];
+  __m256 m = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i qi[4];
+  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  // int32 -> int8 in order: packs interleave 128-bit lanes, a permute restores the order.
+  const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
+  const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
+                                                 _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p8);
+  const auto hsum = [](__m256i s) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    return _mm_cvtsi128_si32(t);
+  };
+  *scale = amax / 127.f;
+  *half = hsum(_mm256_add_epi32(qi[0], qi[1]));
+  *sum = *half + hsum(_mm256_add_epi32(qi[2], qi[3]));
+}
+#endif
+#endif
+
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t G = K / kGroup;
+  QuantizedRows out{std::vector<int8_t>(M * K), std::vector<float>(M * G),
+                    std::vector<int32_t>(M * G), std::vector<int32_t>(M * G)};
+  at::parallel_for(0, M * G, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // group i of the flattened x: row i / G, group i % G
+#ifdef EMBER_SIMD
+      quantize_group_simd(x + i * kGroup, out.q.data() + i * kGroup, &out.scale[i], &out.sum[i],
+                          &out.half[i]);
+#else
+      quantize_group(x + i * kGroup, out.q.data() + i * kGroup, &out.scale[i], &out.sum[i],
+                     &out.half[i]);
+#endif
+    }
+  });
+  return out;
+}
+
+#ifdef EMBER_SIMD
+#if defined(__AVX512F__)
+using vint = __m512i;
+inline vint iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline vint ibcast(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi32(v);
+}
+inline vint izero() { return _mm512_setzero_si512(); }
+inline vint low_nibbles(vint v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+inline vint high_nibbles(vint v) {
+  return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
+}
+inline vfloat icvt(vint v) { return _mm512_cvtepi32_ps(v); }
+inline vint isub(vint a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+inline vint iadd(vint a, vint b) { return _mm512_add_epi32(a, b); }
+inline vint flip_bytes(vint v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
+inline vint ior(vint a, vint b) { return _mm512_or_si512(a, b); }
+// Bits 4-5 of each byte: the 2-bit field at bit S of each byte of v moved there (6-bit codes).
+template <int S>
+inline vint high_pair(vint v) {
+  const vint mask = _mm512_set1_epi8(0x30);
+  if constexpr (S < 4) return _mm512_and_si512(_mm512_slli_epi16(v, 4 - S), mask);
+  if constexpr (S == 4) return _mm512_and_si512(v, mask);
+  return _mm512_and_si512(_mm512_srli_epi16(v, S - 4), mask);
+}
+#if defined(__AVX512VNNI__)
+#define EMBER_VNNI 1
+// acc += unsigned bytes a . signed bytes b, 4 per 32-bit lane.
+inline vint dot_u8s8(vint acc, vint a, vint b) { return _mm512_dpbusd_epi32(acc, a, b); }
+#else
+inline vint dot_u8s8(vint acc, vint a, vint b) {  // a <= 63 (4-, 6-bit codes): no saturation
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)));
+}
+// acc += signed bytes a . signed bytes b: |b| . (a with b's sign), so maddubs does not saturate.
+inline vint dot_s8s8(vint acc, vint a, vint b) {
+  const __mmask64 negative = _mm512_movepi8_mask(b);
+  const vint a_signed = _mm512_mask_sub_epi8(a, negative, _mm512_setzero_si512(), a);
+  return dot_u8s8(acc, _mm512_abs_epi8(b), a_signed);
+}
+inline vint dot4(vint acc, vint a, vint b) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(a, b)); }
+inline vint add4(vint a, vint b) { return _mm512_add_epi16(a, b); }
+inline vint sums4(vint acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
+inline vint dot_pair(vint acc, vint a, vint b, vint c, vint d) {
+  return _mm512_add_epi32(acc, sums4(_mm512_add_epi16(_mm512_maddubs_epi16(a, b), _mm512_maddubs_epi16(c, d))));
+}
+#endif
+#else
+using vint = __m256i;
+inline vint iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vint ibcast(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+inline vint izero() { return _mm256_setzero_si256(); }
+inline vint low_nibbles(vint v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+inline vint high_nibbles(vint v) {
+  return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
+}
+inline vfloat icvt(vint v) { return _mm256_cvtepi32_ps(v); }
+inline vint isub(vint a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+inline vint iadd(vint a, vint b) { return _mm256_add_epi32(a, b); }
+inline vint flip_bytes(vint v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
+inline vint ior(vint a, vint b) { return _mm256_or_si256(a, b); }
+template <int S>
+inline vint high_pair(vint v) {
+  const vint mask = _mm256_set1_epi8(0x30);
+  if constexpr (S < 4) return _mm256_and_si256(_mm256_slli_epi16(v, 4 - S), mask);
+  if constexpr (S == 4) return _mm256_and_si256(v, mask);
+  return _mm256_and_si256(_mm256_srli_epi16(v, S - 4), mask);
+}
+#if defined(__AVXVNNI__)
+#define EMBER_VNNI 1
+inline vint dot_u8s8(vint acc, vint a, vint b) { return _mm256_dpbusd_avx_epi32(acc, a, b); }
+#else
+inline vint dot_u8s8(vint acc, vint a, vint b) {  // a <= 63 (4-, 6-bit codes): no saturation
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+}
+inline vint dot_s8s8(vint acc, vint a, vint b) {
+  return dot_u8s8(acc, _mm256_abs_epi8(b), _mm256_sign_epi8(a, b));
+}
+inline vint dot4(vint acc, vint a, vint b) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(a, b)); }
+inline vint add4(vint a, vint b) { return _mm256_add_epi16(a, b); }
+inline vint sums4(vint acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+inline vint dot_pair(vint acc, vint a, vint b, vint c, vint d) {
+  return _mm256_add_epi32(acc, sums4(_mm256_add_epi16(_mm256_maddubs_epi16(a, b), _mm256_maddubs_epi16(c, d))));
+}
+#endif
+#endif
+// 8-bit codes are stored as q + 128. With VNNI they are the unsigned operand and each group's
+// sum is corrected by 128 * sum(xq); without it they are flipped back to signed q once per
+// vector (shared by the rows) for the sign trick, which needs no correction.
+//
+// 4-bit codes: dot4 sums a group's byte products into acc, add4 adds two such sums and sums4
+// turns one into int32 channel sums. Without VNNI the pair sums of vpmaddubsw (at most
+// 2 * 15 * 127 = 3810) add up in int16 lanes over a group (8 per accumulator: 30480 < 2^15)
+// and are widened by one vpmaddwd per group, not one per product: 9 multiply uops per code
+// vector, row and group instead of 16. 6-bit codes (up to 63: 2 * 63 * 127 = 16002 per pair
+// sum) take two products per widening: dot_pair, acc += a . b + c . d.
+#ifdef EMBER_VNNI
+inline vint dot4(vint acc, vint a, vint b) { return dot_u8s8(acc, a, b); }
+inline vint add4(vint a, vint b) { return iadd(a, b); }
+inline vint sums4(vint acc) { return acc; }
+inline vint dot_pair(vint acc, vint a, vint b, vint c, vint d) {
+  return dot_u8s8(dot_u8s8(acc, a, b), c, d);
+}
+inline vint codes8(vint v) { return v; }
+inline vint dot8(vint acc, vint codes, vint xb) { return dot_u8s8(acc, codes, xb); }
+constexpr int32_t kCode8Bias = 128;
+#else
+inline vint codes8(vint v) { return flip_bytes(v); }
+inline vint dot8(vint acc, vint codes, vint xb) { return dot_s8s8(acc, codes, xb); }
+constexpr int32_t kCode8Bias = 0;
+#endif
+// Rows per register block: 4 vectors per row (two int32 group sums, two fp32 sums); 6-bit
+// codes take more registers to unpack (a Q6_K LM head at M=128, AVX-512: 6.93 ms in blocks
+// of 4 rows, 8.81 in blocks of 6; 3 and 5 were slower than 4 too).
+constexpr int kGroupRowBlock = kLanes == 16 ? 6 : 2;
+constexpr int kGroup6RowBlock = kLanes == 16 ? 4 : 2;
+// Software prefetch of the code stream, AVX2 builds only. Measured on AMD EPYC (Zen 4), 2 cores,
+// qwen2-0.5b's 96 layer projections at M=1, pass time against a streaming read of as many bytes
+// interleaved in one process (medians over processes): AVX-512 q8_0 0.70 with it, 0.84 without;
+// q4_0 0.80 / 0.91; AVX2 q8_0 0.91 / 0.91, q4_0 0.90 / 0.83. The bf16-pair kernels (AVX-512
+// only) stream without it too: 0.85 with, 0.99 without; the fp32-math panels were even (kept).
+constexpr bool kGroupPrefetch = kLanes == 8;
+#else
+constexpr int kGroupRowBlock = 4;
+constexpr int kGroup6RowBlock = 4;
+#endif
+
+#ifdef EMBER_SIMD
+// Sums of one lane row of 4-bit (or widened 6-bit) codes, k 8i .. 8i + 7 of a panel's two
+// vectors of channels (lo0/lo1: the low four k, hi0/hi1: the high four), times each row's x
+// (xg: the group's, a row every K). One row in four chains (s, then e for the high k: a decode
+// is latency-bound; the caller adds e to s), more rows in two. `Nibbles`: 4-bit codes, summed
+// by dot4 (the caller finishes with sums4); else 6-bit ones, by dot_u8s8 and dot_pair.
+template <int MR, bool Nibbles>
+inline void nibble_dots(const int8_t* xg, int64_t K, int64_t i, vint lo0, vint lo1, vint hi0,
+                        vint hi1, vint* s0, vint* s1, vint& e0, vint& e1) {
+  const auto dot = [](vint acc, vint a, vint b) {
+    if constexpr (Nibbles) return dot4(acc, a, b);
+    else return dot_u8s8(acc, a, b);
+  };
+  const auto dot2 = [&](vint acc, vint a, vint b, vint c, vint d) {
+    if constexpr (Nibbles) return dot(dot(acc, a, b), c, d);
+    else return dot_pair(acc, a, b, c, d);
+  };
+  if constexpr (MR == 1) {
+    const vint xl = ibcast(xg + 8 * i), xh = ibcast(xg + 8 * i + 4);
+    s0[0] = dot(s0[0], lo0, xl);
+    s1[0] = dot(s1[0], lo1, xl);
+    e0 = dot(e0, hi0, xh);
+    e1 = dot(e1, hi1, xh);
+  } else {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const vint xl = ibcast(xg + r * K + 8 * i), xh = ibcast(xg + r * K + 8 * i + 4);
+      s0[r] = dot2(s0[r], lo0, xl, hi0, xh);
+      s1[r] = dot2(s1[r], lo1, xl, hi1, xh);
+    }
+  }
+}
+#endif
+
+// The code of channel j at k in a panel (the scalar path): q for 8-bit codes, the stored
+// q in [0, 15] or [0, 63] for 4- and 6-bit ones (6-bit: its group's nibble as a 4-bit code's,
+// then the high pair of its half; see group_rows).
+template <int Bits>
+inline int group_code(const uint8_t* pan, int64_t k, int64_t j) {
+  if constexpr (Bits == 8) return static_cast<int>(pan[((k / 4) * kPanel + j) * 4 + k % 4]) - 128;
+  if constexpr (Bits == 6) {
+    const uint8_t* q = pan + (k / kGroup) * kGroup * kPanel * 6 / 8;
+    const int64_t kk = k % kGroup;
+    const uint8_t pairs = q[kGroup * kPanel / 2 + ((kk / 16) * kPanel + j) * 4 + kk % 4];
+    return group_code<4>(q, kk, j) | ((pairs >> (2 * ((kk % 16) / 4))) & 3) << 4;
+  }
+  const uint8_t b = pan[((k / 8) * kPanel + j) * 4 + k % 4];
+  return k % 8 < 4 ? b & 15 : b >> 4;
+}
+
+// y[m0 .. m0+MR-1, n .. n+cols-1] (+)= x[.., groups g0:g1] @ panel; `first`: y is not read;
+// `bi` (the last slice only): plus bias. xq/dx/xs/xh: the rows' quantized x (QuantizedRows),
+// row r at xq + r * K, dx + r * G, xs + r * G, xh + r * G.
+//
+// 6-bit codes (Q6_K: q + 32 in [0, 63], a scale per 16 k) are laid out per group of 32 k as
+// the 4-bit codes' nibbles (16 bytes a channel), then their high pairs: the 16 k of each half
+// in one 32-bit lane, k = 16h + 4c + t in bits 2c of byte t. Both halves' scales are
+// consecutive rows of `dp`; each half's sum is corrected by 32 times its x sum.
+template <int MR, int Bits, bool Min>
+inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, const int32_t* xh,
+                       int64_t K, const uint8_t* pan, const uint16_t* dp, const uint16_t* mp,
+                       int64_t g0, int64_t g1, float* y, int64_t N, int64_t cols, bool first,
+                       const float* bi) {
+  const int64_t G = K / kGroup;
+  constexpr int64_t kBytes = kGroup * kPanel * Bits / 8;  // codes per group of a panel
+#ifdef EMBER_SIMD
+  constexpr int64_t kVec = kLanes * 4;  // bytes per code vector (kLanes channels)
+  vfloat a0[MR], a1[MR];
+  const int64_t c0 = std::min<int64_t>(cols, kLanes), c1 = cols - c0;
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    a0[r] = first ? vzero() : vload_n(y + r * N, c0);
+    a1[r] = first ? vzero() : vload_n(y + r * N + kLanes, c1);
+  }
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* q = pan + g * kBytes;
+    if constexpr (kGroupPrefetch) {
+      const char* ahead = reinterpret_cast<const char*>(q) + kPanelPrefetchBytes;
+#pragma GCC unroll 16
+      for (int64_t l = 0; l < kBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+    }
+    const int8_t* xg = xq + g * kGroup;
+    if constexpr (Bits == 6) {
+      const uint8_t* qh = q + kGroup * kPanel / 2;
+#pragma GCC unroll 2
+      for (int64_t h = 0; h < 2; ++h) {
+        vint s0[MR], s1[MR];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) s0[r] = s1[r] = izero();
+        vint e0 = izero(), e1 = izero();  // a single row's high-nibble sums
+        const vint p0 = iload(qh + 2 * h * kVec), p1 = iload(qh + (2 * h + 1) * kVec);
+#pragma GCC unroll 2
+        for (int64_t u = 0; u < 2; ++u) {
+          const int64_t i = 2 * h + u;
+          const vint b0 = iload(q + 2 * i * kVec), b1 = iload(q + (2 * i + 1) * kVec);
+          const vint lo0 = ior(low_nibbles(b0), u ? high_pair<4>(p0) : high_pair<0>(p0));
+          const vint lo1 = ior(low_nibbles(b1), u ? high_pair<4>(p1) : high_pair<0>(p1));
+          const vint hi0 = ior(high_nibbles(b0), u ? high_pair<6>(p0) : high_pair<2>(p0));
+          const vint hi1 = ior(high_nibbles(b1), u ? high_pair<6>(p1) : high_pair<2>(p1));
+          nibble_dots<MR, false>(xg, K, i, lo0, lo1, hi0, hi1, s0, s1, e0, e1);
+        }
+        if constexpr (MR == 1) {
+          s0[0] = iadd(s0[0], e0);
+          s1[0] = iadd(s1[0], e1);
+        }
+        const uint16_t* dh = dp + (2 * g + h) * kPanel;
+        const vfloat d0 = vhalf(dh), d1 = vhalf(dh + kLanes);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const int32_t first_half = xh[r * G + g];
+          const int32_t xsum = h == 0 ? first_half : xs[r * G + g] - first_half;
+          const vfloat sx = vset1(dx[r * G + g]);
+          a0[r] = vfma(icvt(isub(s0[r], 32 * xsum)), vmul(d0, sx), a0[r]);
+          a1[r] = vfma(icvt(isub(s1[r], 32 * xsum)), vmul(d1, sx), a1[r]);
+        }
+      }
+      continue;
+    }
+    vint s0[MR], s1[MR];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) s0[r] = s1[r] = izero();
+    if constexpr (Bits == 8) {
+#pragma GCC unroll 8
+      for (int64_t i = 0; i < kGroup / 4; ++i) {
+        const vint w0 = codes8(iload(q + 2 * i * kVec)), w1 = codes8(iload(q + (2 * i + 1) * kVec));
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const vint xb = ibcast(xg + r * K + 4 * i);
+          s0[r] = dot8(s0[r], w0, xb);
+          s1[r] = dot8(s1[r], w1, xb);
+        }
+      }
+    } else {
+      vint h0 = izero(), h1 = izero();  // a single row's high-nibble sums
+#pragma GCC unroll 4
+      for (int64_t i = 0; i < kGroup / 8; ++i) {
+        const vint b0 = iload(q + 2 * i * kVec), b1 = iload(q + (2 * i + 1) * kVec);
+        const vint lo0 = low_nibbles(b0), lo1 = low_nibbles(b1);
+        const vint hi0 = high_nibbles(b0), hi1 = high_nibbles(b1);
+        nibble_dots<MR, true>(xg, K, i, lo0, lo1, hi0, hi1, s0, s1, h0, h1);
+      }
+      if constexpr (MR == 1) {
+        s0[0] = add4(s0[0], h0);
+        s1[0] = add4(s1[0], h1);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        s0[r] = sums4(s0[r]);
+        s1[r] = sums4(s1[r]);
+      }
+    }
+    const vfloat d0 = vhalf(dp + g * kPanel), d1 = vhalf(dp + g * kPanel + kLanes);
+    vfloat m0 = vzero(), m1 = vzero();
+    if constexpr (Min) {
+      m0 = vhalf(mp + g * kPanel);
+      m1 = vhalf(mp + g * kPanel + kLanes);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const int32_t xsum = xs[r * G + g];
+      // sum(xq * q) from the stored codes: 8-bit q + 128 (VNNI), 4-bit q - 8 (symmetric).
+      const int32_t bias = Bits == 8 ? kCode8Bias * xsum : (Min ? 0 : 8 * xsum);
+      const vfloat sx = vset1(dx[r * G + g]);
+      a0[r] = vfma(icvt(isub(s0[r], bias)), vmul(d0, sx), a0[r]);
+      a1[r] = vfma(icvt(isub(s1[r], bias)), vmul(d1, sx), a1[r]);
+      if constexpr (Min) {
+        const vfloat mx = vset1(dx[r * G + g] * static_cast<float>(xsum));
+        a0[r] = vfma(m0, mx, a0[r]);
+        a1[r] = vfma(m1, mx, a1[r]);
+      }
+    }
+  }
+  if (bi) {
+    const vfloat b0 = vload(bi), b1 = vload(bi + kLanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      a0[r] = vadd(a0[r], b0);
+      a1[r] = vadd(a1[r], b1);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    vstore_n(y + r * N, a0[r], c0);
+    vstore_n(y + r * N + kLanes, a1[r], c1);
+  }
+#else
+  // A scale per segment of a group (6-bit: two of 16 k), and the offset every stored code
+  // carries (Q4_0: 8, 6-bit: 32), taken off each product.
+  constexpr int64_t kSegments = Bits == 6 ? 2 : 1, kSpan = kGroup / kSegments;
+  constexpr int32_t kOffset = Bits == 6 ? 32 : Bits == 4 && !Min ? 8 : 0;
+  for (int r = 0; r < MR; ++r) {
+    for (int64_t j = 0; j < cols; ++j) {
+      float acc = first ? 0.f : y[r * N + j];
+      for (int64_t g = g0; g < g1; ++g) {
+        const float m = Min ? static_cast<float>(c10::Half(mp[g * kPanel + j], c10::Half::from_bits())) : 0.f;
+        for (int64_t s = 0; s < kSegments; ++s) {
+          const float d = static_cast<float>(
+              c10::Half(dp[(g * kSegments + s) * kPanel + j], c10::Half::from_bits()));
+          int32_t dot = 0;
+          for (int64_t k = g * kGroup + s * kSpan; k < g * kGroup + (s + 1) * kSpan; ++k) {
+            dot += static_cast<int32_t>(xq[r * K + k]) * (group_code<Bits>(pan, k, j) - kOffset);
+          }
+          const int32_t xsum = xs[r * G + g];  // the offsets (mins: one segment) apply to it
+          acc += dx[r * G + g] * (d * static_cast<float>(dot) + m * static_cast<float>(xsum));
+        }
+      }
+      y[r * N + j] = bi ? acc + bi[j] : acc;
+    }
+  }
+#endif
+}
+
+using GroupKernel = void (*)(const int8_t*, const float*, const int32_t*, const int32_t*, int64_t,
+                             const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t,
+                             float*, int64_t, int64_t, bool, const float*);
+
+template <int Bits, bool Min, size_t... R>
+constexpr std::array<GroupKernel, sizeof...(R)> group_kernels(std::index_sequence<R...>) {
+  return {&group_rows<static_cast<int>(R) + 1, Bits, Min>...};
+}
+
+// y [M, N] = x [M, K] @ w^T + bias, w group-quantized and packed (see above).
+template <int Bits, bool Min>
+void group_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const uint16_t* m,
+                const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  static constexpr int kRows = Bits == 6 ? kGroup6RowBlock : kGroupRowBlock;
+  static constexpr auto kernels =
+      group_kernels<Bits, Min>(std::make_index_sequence<static_cast<size_t>(kRows)>());
+  const int64_t G = K / kGroup;
+  const int64_t panel_bytes = K * kPanel * Bits / 8;
+  const int64_t scale_rows = Bits == 6 ? 2 * G : G;  // 6-bit: a scale per 16 k
+  const QuantizedRows xq = quantize_rows(x, M, K);
+  for_panel_tasks(
+      M, N, K,
+      [&](int64_t p, int64_t n, int64_t cols, const RowBlocks& blocks) {
+        alignas(64) float bi[kPanel];
+        for (int64_t j = 0; j < kPanel; ++j) bi[j] = bias && j < cols ? bias[n + j] : 0.f;
+        const uint8_t* pan = codes + p * panel_bytes;
+        const uint16_t* dp = d + p * scale_rows * kPanel;
+        const uint16_t* mp = m ? m + p * G * kPanel : nullptr;
+        for (int64_t ga = 0; ga < G; ga += kPanelDepth / kGroup) {
+          const int64_t gb = std::min(G, ga + kPanelDepth / kGroup);
+          blocks.each([&](int64_t m0, int64_t rows) {
+            kernels[rows - 1](xq.q.data() + m0 * K, xq.scale.data() + m0 * G,
+                              xq.sum.data() + m0 * G, xq.half.data() + m0 * G, K, pan, dp, mp,
+                              ga, gb, y + m0 * N + n, N, cols, ga == 0,
+                              gb == G && bias ? bi : nullptr);
+          });
+        }
+      },
+      kRows);
+}
+
+// y [..., N] = x [..., K] @ w^T (+ bias) for a group-quantized weight (see above): `codes`
+// [P, K / 4, kPanel, 4] (bits 8), [P, K / 8, kPanel, 4] (bits 4) or [P, 6 K / 32, kPanel, 4]
+// (bits 6) uint8, `scales` [P, K / 32, kPanel] fp16 (bits 6: [P, K / 16, kPanel]), `mins`
+// (bits 4, asymmetric; else None) as the scales. x quantized to int8 per group of 32, int32
+// sums, fp32 scaling; y in x's dtype.
+at::Tensor group_linear(const at::Tensor& x_in, const at::Tensor& codes,
+                        const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                        const std::optional<at::Tensor>& bias, int64_t N, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "group_linear: bits must be 4, 6 or 8, got ",
+              bits);
+  // 32-bit lanes per group of 32 k: 8 (8-bit), 4 (4-bit), 4 + 2 (6-bit: nibbles, high pairs)
+  const int64_t lanes = bits == 8 ? 8 : bits == 6 ? 6 : 4;
+  TORCH_CHECK(codes.dim() == 4 && codes.size(1) % lanes == 0 && codes.size(2) == kPanel &&
+                  codes.size(3) == 4 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
+              "group_linear: codes must be a contiguous uint8 [P, ", lanes, " K / 32, ", kPanel,
+              ", 4] tensor (packed for this CPU ISA)");
+  check_out_features(codes, N);
+  const int64_t G = codes.size(1) / lanes, K = G * kGroup;
+  const bool has_min = mins.has_value() && mins->defined();
+  TORCH_CHECK(!has_min || bits == 4, "group_linear: offsets are for 4-bit codes only");
+  const int64_t scale_rows = bits == 6 ? 2 * G : G;
+  for (const at::Tensor* t : {&scales, has_min ? &*mins : &scales}) {
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == codes.size(0) && t->size(1) == scale_rows &&
+                    t->size(2) == kPanel,
+                "group_linear: scales and mins must be contiguous fp16 [", codes.size(0), ", ",
+                scale_rows, ", ", kPanel, "]");
+  }
+  TORCH_CHECK(x_in.size(-1) == K, "group_linear: x has ", x_in.size(-1), " features, w ", K);
+  // fp32 contiguous x (every compiled step): no reshape, cast or copy ops, y shaped directly.
+  const bool direct = x_in.scalar_type() == at::kFloat && x_in.is_contiguous();
+  const at::Tensor x = direct ? x_in : x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  auto out_shape = x_in.sizes().vec();
+  out_shape.back() = N;
+  const int64_t M = x.numel() / K;
+  at::Tensor y = at::empty(out_shape, x.options());
+  if (M > 0) {
+    at::Tensor b;
+    const float* bp = bias_ptr(bias, b);
+    const auto* cp = codes.data_ptr<uint8_t>();
+    const auto* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+    const auto* mp = has_min ? reinterpret_cast<const uint16_t*>(mins->data_ptr()) : nullptr;
+    const float* xp = x.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    if (bits == 8) {
+      group_gemm<8, false>(xp, cp, dp, nullptr, bp, yp, M, N, K);
+    } else if (bits == 6) {
+      group_gemm<6, false>(xp, cp, dp, nullptr, bp, yp, M, N, K);
+    } else if (has_min) {
+      group_gemm<4, true>(xp, cp, dp, mp, bp, yp, M, N, K);
+    } else {
+      group_gemm<4, false>(xp, cp, dp, nullptr, bp, yp, M, N, K);
+    }
+  }
+  return direct ? y : y.to(x_in.scalar_type());
+}
+
+}  // namespace

@@ -1,0 +1,287 @@
+// Packing group-quantized weights into their panels (codes, or GGUF blocks).
+// One part of ember_cpu.cpp's translation unit (included there, in order; not built alone).
+#pragma once
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Loading group-quantized weights (`GroupLinear`): rows of codes, or of GGUF blocks straight
+// from the file, written into the panels in one pass (the torch re-layout took ~6 ops per
+// chunk of rows: qwen2-0.5b Q4_0 loaded in 3.3 s against llama.cpp's 0.6 s).
+
+// Writes channel `row`'s stored bytes (the `GroupLinear` layout before panels, `Q` 32-bit
+// lanes) into panel lanes: lane j of channel n goes to codes[n / P][j][n % P].
+inline void scatter_lanes(uint8_t* codes, int64_t Q, int64_t P, int64_t row,
+                          const uint8_t* stored) {
+  uint32_t* panel = reinterpret_cast<uint32_t*>(codes) + (row / P) * Q * P + row % P;
+  for (int64_t j = 0; j < Q; ++j) std::memcpy(panel + j * P, stored + 4 * j, 4);
+}
+
+// A group's 32 4-bit codes `q` (one per byte, low nibbles read) as 16 stored bytes: byte
+// 4i + j holds k = 8i + j in its low nibble and 8i + 4 + j in its high one.
+inline void store_nibbles(const uint8_t* q, uint8_t* out) {
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j)
+      out[4 * i + j] = (q[8 * i + j] & 15) | (q[8 * i + 4 + j] & 15) << 4;
+}
+
+// One channel's stored bytes from its codes (one per value: int8 q for 8 bits, uint8 for 4
+// and 6; see `GroupLinear`).
+void store_codes(const uint8_t* q, int64_t K, int64_t bits, uint8_t* out) {
+  if (bits == 8) {
+    for (int64_t k = 0; k < K; ++k) out[k] = q[k] ^ 0x80;  // int8 q + 128
+    return;
+  }
+  const int64_t step = bits == 4 ? 16 : 24;  // stored bytes per group of 32
+  for (int64_t g = 0; g < K / 32; ++g, q += 32, out += step) {
+    store_nibbles(q, out);
+    if (bits == 6) {  // the high pairs of each 16 k: k = 16h + 4c + j in bits 2c of byte j
+      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < 4; ++j) {
+          uint8_t b = 0;
+          for (int c = 0; c < 4; ++c) b |= ((q[16 * h + 4 * c + j] >> 4) & 3) << (2 * c);
+          out[16 + 4 * h + j] = b;
+        }
+    }
+  }
+}
+
+// GGUF block types `group_pack_blocks` reads: name, values per block, bytes per block, code
+// bits of the panels they fill, whether those carry offsets, and the decoder in store_blocks
+// (kPlain: an fp16 scale, an fp16 offset where `offsets`, then the codes: Q8_0, Q4_0, Q4_1).
+// The table of which types are packed how is mirrored by ember.compiler.quant.BLOCK_TYPES;
+// each call checks its panels against this one.
+enum class BlockDecoder { kPlain, kQ4K, kQ6K, kQ5_0 };
+struct BlockType {
+  const char* name;
+  int64_t values, bytes, bits;
+  bool offsets;
+  BlockDecoder decoder;
+};
+constexpr BlockType kBlockTypes[] = {
+    {"Q8_0", 32, 34, 8, false, BlockDecoder::kPlain},
+    {"Q4_0", 32, 18, 4, false, BlockDecoder::kPlain},
+    {"Q4_1", 32, 20, 4, true, BlockDecoder::kPlain},
+    {"Q4_K", 256, 144, 4, true, BlockDecoder::kQ4K},
+    {"Q6_K", 256, 210, 6, false, BlockDecoder::kQ6K},
+    {"Q5_0", 32, 22, 8, false, BlockDecoder::kQ5_0},
+};
+
+inline uint16_t half_bits(float x) { return c10::Half(x).x; }  // round to nearest even
+
+// 16 floats as fp16 bits, rounded to nearest even as half_bits: F16C where the build has it
+// (every x86-64-v3 or native build here), else c10::Half's software conversion.
+inline void half_bits16(const float* f, uint16_t* h) {
+#ifdef __F16C__
+  for (int i = 0; i < 16; i += 8) {
+    const __m128i v = _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i), v);
+  }
+#else
+  for (int i = 0; i < 16; ++i) h[i] = half_bits(f[i]);
+#endif
+}
+
+// One group's 16 stored nibble bytes (byte 4i + j = q[8i + j] | q[8i + 4 + j] << 4, as
+// store_nibbles) from 32 bytes holding its codes q_t in bits shift .. shift + 3 of byte t
+// (Q4_K's and Q6_K's low nibbles): 32-bit word operations, no byte loop.
+inline void nibble_group(const uint8_t* src, int shift, uint8_t* out) {
+  constexpr uint32_t lo = 0x0F0F0F0Fu;
+  uint32_t w[8], s[4];
+  std::memcpy(w, src, 32);
+  for (int i = 0; i < 4; ++i) s[i] = (w[2 * i] >> shift & lo) | (w[2 * i + 1] >> shift & lo) << 4;
+  std::memcpy(out, s, 16);
+}
+
+// One channel's stored bytes, fp16 scales d[g * P] (and offsets m[g * P]) from its blocks:
+// Q8_0 (fp16 d, 32 int8 q), Q4_0 (fp16 d, 16 bytes: q_t in the low nibble of byte t, q_16+t
+// in its high one), Q4_1 (fp16 d and m, then as Q4_0) exactly; Q4_K (fp16 d and dmin, 12
+// bytes of 6-bit sc and m per 32 values, 128 bytes of nibbles: sub-blocks 2i and 2i + 1 in
+// the low and high nibbles of bytes 32i..32i + 31) as d sc and -dmin m rounded to fp16; Q6_K
+// (128 bytes of low nibbles, 64 of high pairs, 16 int8 sc, fp16 d) as codes q in [0, 63]
+// with scales d sc per 16 values rounded to fp16 (ggml's dequantizers' order); Q5_0 (fp16 d,
+// 32 high bits, 16 bytes of low nibbles as Q4_0's) exactly as 8-bit codes q - 16 (all 0
+// where d is 0, as the converter writes them).
+void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8_t* out,
+                  uint16_t* d, uint16_t* m, int64_t P) {
+  for (int64_t blk = 0; blk < K / type.values; ++blk) {
+    const uint8_t* b = blocks + blk * type.bytes;
+    if (type.decoder == BlockDecoder::kQ4K) {
+      const float dd = c10::detail::fp16_ieee_to_fp32_value(b[0] | b[1] << 8);
+      const float dmin = c10::detail::fp16_ieee_to_fp32_value(b[2] | b[3] << 8);
+      const uint8_t* sm = b + 4;
+      float f[16];  // the 8 scales, then the 8 offsets
+      for (int j = 0; j < 8; ++j) {  // ggml's get_scale_min_k4
+        const int sc = j < 4 ? sm[j] & 63 : (sm[j + 4] & 15) | (sm[j - 4] >> 6) << 4;
+        const int mn = j < 4 ? sm[j + 4] & 63 : (sm[j + 4] >> 4) | (sm[j] >> 6) << 4;
+        f[j] = dd * float(sc);
+        f[8 + j] = -dmin * float(mn);
+      }
+      uint16_t h[16];
+      half_bits16(f, h);
+      for (int j = 0; j < 8; ++j) {
+        d[(8 * blk + j) * P] = h[j];
+        m[(8 * blk + j) * P] = h[8 + j];
+      }
+      for (int g = 0; g < 8; ++g)  // sub-block g: the low (even g) or high nibbles
+        nibble_group(b + 16 + 32 * (g / 2), 4 * (g % 2), out + blk * 128 + 16 * g);
+      continue;
+    }
+    if (type.decoder == BlockDecoder::kQ6K) {
+      // Value 128 h + 32 s + t (s, t < 32 in each half h): its low nibble in bits 4 (s / 2)
+      // of ql[64 h + 32 (s % 2) + t], its high pair in bits 2 s of qh[32 h + t]. That is
+      // group 4 h + s: nibbles as nibble_group's; pair bytes 4 c + j of each 16 k, four a
+      // stored byte (k = 16 u + 4 c + j in bits 2c of byte 4 u + j), from 32-bit words.
+      const uint8_t *ql = b, *qh = b + 128;
+      const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float dd = c10::detail::fp16_ieee_to_fp32_value(b[208] | b[209] << 8);
+      float f[16];
+      for (int j = 0; j < 16; ++j) f[j] = dd * float(sc[j]);
+      uint16_t h16[16];
+      half_bits16(f, h16);
+      for (int j = 0; j < 16; ++j) d[(16 * blk + j) * P] = h16[j];
+      for (int g = 0; g < 8; ++g) {
+        const int h = g / 4, s = g % 4;
+        uint8_t* o = out + blk * 192 + 24 * g;
+        nibble_group(ql + 64 * h + 32 * (s % 2), 4 * (s / 2), o);
+        uint32_t w[8], pairs[2] = {0, 0};
+        std::memcpy(w, qh + 32 * h, 32);
+        for (int u = 0; u < 2; ++u)
+          for (int c = 0; c < 4; ++c)
+            pairs[u] |= (w[4 * u + c] >> (2 * s) & 0x03030303u) << (2 * c);
+        std::memcpy(o + 16, pairs, 8);
+      }
+      continue;
+    }
+    if (type.decoder == BlockDecoder::kQ5_0) {
+      std::memcpy(d + blk * P, b, 2);
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      const bool zero = ((b[0] | b[1] << 8) & 0x7fff) == 0;
+      for (int t = 0; t < 32; ++t) {
+        const int low = t < 16 ? b[6 + t] & 15 : b[6 + t - 16] >> 4;
+        const int code = (low | (qh >> t & 1) << 4) - 16;
+        out[32 * blk + t] = uint8_t(zero ? 0 : code) ^ 0x80;
+      }
+      continue;
+    }
+    const int64_t head = type.offsets ? 4 : 2;
+    std::memcpy(d + blk * P, b, 2);
+    if (type.offsets) std::memcpy(m + blk * P, b + 2, 2);
+    const uint8_t* c = b + head;
+    if (type.bits == 8) {
+      for (int k = 0; k < 32; ++k) out[32 * blk + k] = c[k] ^ 0x80;
+      continue;
+    }
+    // stored byte 4i + j = q[8i + j] | q[8i + 4 + j] << 4, q_t = c[t] & 15, q_16+t = c[t] >> 4
+    uint32_t w[4];
+    std::memcpy(w, c, 16);
+    const uint32_t lo = 0x0F0F0F0Fu;
+    const uint32_t s[4] = {(w[0] & lo) | (w[1] & lo) << 4, (w[2] & lo) | (w[3] & lo) << 4,
+                           (w[0] >> 4 & lo) | (w[1] & ~lo), (w[2] >> 4 & lo) | (w[3] & ~lo)};
+    std::memcpy(out + 16 * blk, s, 16);
+  }
+}
+
+void check_group_panels(const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, int64_t row, int64_t n,
+                        int64_t bits, const char* op) {
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, op, ": bits must be 4, 6 or 8");
+  TORCH_CHECK(codes.dim() == 4 && codes.size(3) == 4 && codes.scalar_type() == at::kByte &&
+                  codes.is_contiguous(),
+              op, ": codes must be contiguous uint8 panels [P, lanes, panel, 4]");
+  const int64_t P = codes.size(2);
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == codes.size(0) && scales.size(2) == P &&
+                  scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              op, ": scales must be contiguous fp16 [P, groups, panel]");
+  TORCH_CHECK(!mins || (mins->sizes() == scales.sizes() && mins->scalar_type() == at::kHalf &&
+                        mins->is_contiguous()),
+              op, ": mins must be shaped as scales");
+  TORCH_CHECK(row >= 0 && row % P == 0 && row + n <= codes.size(0) * P, op, ": rows [", row,
+              ", ", row + n, ") do not start a panel or do not fit the panels");
+}
+
+// Rows [row, row + n) of a `GroupLinear`'s panels from codes q [n, K] (int8 for 8 bits, else
+// uint8), fp16 scales d [n, K / 32] (6 bits: [n, K / 16]) and offsets m (4 bits).
+void group_pack_codes(at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins,
+                      int64_t row, const at::Tensor& q_in, const at::Tensor& d_in,
+                      const c10::optional<at::Tensor>& m_in, int64_t bits) {
+  const char* op = "group_pack_codes";
+  TORCH_CHECK(q_in.dim() == 2, op, ": codes must be 2-D [n, K]");
+  const int64_t n = q_in.size(0), K = q_in.size(1);
+  check_group_panels(codes, scales, mins, row, n, bits, op);
+  TORCH_CHECK(q_in.scalar_type() == (bits == 8 ? at::kChar : at::kByte), op,
+              ": codes must be int8 for 8 bits, uint8 for 4 and 6");
+  const int64_t Q = codes.size(1), P = codes.size(2), per = bits == 6 ? 16 : 32;
+  TORCH_CHECK(K % 32 == 0 && Q * 4 == K * bits / 8 && scales.size(1) == K / per, op,
+              ": codes [", n, ", ", K, "] do not match the panels");
+  TORCH_CHECK(d_in.sizes() == at::IntArrayRef({n, K / per}) && d_in.scalar_type() == at::kHalf,
+              op, ": scales must be fp16 [n, K / ", per, "]");
+  TORCH_CHECK(mins.has_value() == m_in.has_value() &&
+                  (!m_in || (m_in->sizes() == d_in.sizes() && m_in->scalar_type() == at::kHalf)),
+              op, ": offsets must be given for offset panels only, shaped as scales");
+  const at::Tensor q = q_in.contiguous(), d = d_in.contiguous();
+  const at::Tensor m = m_in ? m_in->contiguous() : at::Tensor();
+  const auto* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
+  const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr());
+  const auto* mp = m.defined() ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
+  auto* cp = codes.data_ptr<uint8_t>();
+  auto* sp = reinterpret_cast<uint16_t*>(scales.data_ptr());
+  auto* op_m = mins ? reinterpret_cast<uint16_t*>(mins->data_ptr()) : nullptr;
+  const int64_t G = K / per, first = row / P, panels = (n + P - 1) / P;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<uint8_t> stored(Q * 4);
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t r = p * P; r < std::min(n, (p + 1) * P); ++r) {
+        store_codes(qp + r * K, K, bits, stored.data());
+        scatter_lanes(cp, Q, P, row + r, stored.data());
+        const int64_t base = (first + p) * G * P + r % P;
+        for (int64_t g = 0; g < G; ++g) {
+          sp[base + g * P] = dp[r * G + g];
+          if (mp) op_m[base + g * P] = mp[r * G + g];
+        }
+      }
+  });
+}
+
+// Rows [row, row + n) of a `GroupLinear`'s panels straight from a GGUF tensor's bytes
+// `blocks` [n, row bytes] of `type` (see `kBlockTypes` and `store_blocks`).
+void group_pack_blocks(at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins,
+                       int64_t row, const at::Tensor& blocks_in, c10::string_view type_name) {
+  const char* op = "group_pack_blocks";
+  const BlockType* type = nullptr;
+  for (const BlockType& t : kBlockTypes)
+    if (type_name == t.name) type = &t;
+  TORCH_CHECK(type != nullptr, op, ": unknown block type ", type_name);
+  TORCH_CHECK(blocks_in.dim() == 2 && blocks_in.scalar_type() == at::kByte, op,
+              ": blocks must be uint8 [n, row bytes]");
+  const int64_t n = blocks_in.size(0);
+  check_group_panels(codes, scales, mins, row, n, type->bits, op);
+  TORCH_CHECK(mins.has_value() == type->offsets, op, ": ", type->name, " panels ",
+              type->offsets ? "need" : "have no", " offsets");
+  const int64_t Q = codes.size(1), P = codes.size(2), G = scales.size(1);
+  const int64_t K = G * (type->bits == 6 ? 16 : 32);
+  TORCH_CHECK(K % type->values == 0 && blocks_in.size(1) == K / type->values * type->bytes &&
+                  Q * 4 == K * type->bits / 8,
+              op, ": rows of ", blocks_in.size(1), " bytes are not ", K / type->values, " ",
+              type->name, " blocks of ", type->bytes, " bytes");
+  const at::Tensor blocks = blocks_in.contiguous();
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  const int64_t row_bytes = blocks.size(1);
+  auto* cp = codes.data_ptr<uint8_t>();
+  auto* sp = reinterpret_cast<uint16_t*>(scales.data_ptr());
+  auto* mp = mins ? reinterpret_cast<uint16_t*>(mins->data_ptr()) : nullptr;
+  const int64_t first = row / P, panels = (n + P - 1) / P;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<uint8_t> stored(Q * 4);
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t r = p * P; r < std::min(n, (p + 1) * P); ++r) {
+        const int64_t base = (first + p) * G * P + r % P;
+        store_blocks(bp + r * row_bytes, K, *type, stored.data(), sp + base,
+                     mp ? mp + base : nullptr, P);
+        scatter_lanes(cp, Q, P, row + r, stored.data());
+      }
+  });
+}
+
+}  // namespace
