@@ -9,16 +9,15 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import shutil
 import signal
 import sys
 
 import pexpect
 import pytest
-from transformers import AutoTokenizer
 
 from ember import LLM
 from ember.tools.chat_cli import PLAIN_MODE_NOTICE, PROMPT_INTERRUPT_HINT, run_chat
+from tests.e2e.servers import with_chat_template
 
 TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -34,11 +33,7 @@ FIRST, SECOND = "Hello there", "How are you today?"
 def chat_dir(checkpoint_dir, tmp_path_factory) -> str:
     """The tiny Llama with a chat template."""
     d = str(tmp_path_factory.mktemp("chat") / "tiny-llama-chat")
-    shutil.copytree(checkpoint_dir("tiny-llama"), d)
-    tok = AutoTokenizer.from_pretrained(d)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(d)
-    return d
+    return with_chat_template(checkpoint_dir("tiny-llama"), d, TEMPLATE)
 
 
 @pytest.fixture(scope="module")

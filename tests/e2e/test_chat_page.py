@@ -9,17 +9,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 
 import pytest
-from transformers import AutoTokenizer
 
 from ember import LLM, SamplingParams
+from tests.e2e.servers import start_serve, stop_serve, with_chat_template
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -65,43 +62,17 @@ def browser_paths() -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def model_dir(checkpoint_dir, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("page") / "m")
-    shutil.copytree(checkpoint_dir("tiny-llama"), d)
-    tok = AutoTokenizer.from_pretrained(d)
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(d)
-    return d
+    return with_chat_template(checkpoint_dir("tiny-llama"), d, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def server(browser_paths, model_dir):
     """`ember serve MODEL` on a free port, the key from EMBER_API_KEY."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "ember.cli", "serve", model_dir, "--port", str(port),
-           "--no-compile", "--kv-cache-gib", str(ENGINE["kv_cache_gib"]), "--max-model-len",
-           str(MAX_LEN), "--dtype", "float32", "--served-model-name", "tiny"]  # fmt: skip
-    env = dict(os.environ, EMBER_API_KEY=KEY)
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stdout.read()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("server did not come up in 180 s")
+    args = [model_dir, "--no-compile", "--kv-cache-gib", str(ENGINE["kv_cache_gib"]),
+            "--max-model-len", str(MAX_LEN), "--dtype", "float32", "--served-model-name", "tiny"]  # fmt: skip
+    proc, url = start_serve(args, dict(os.environ, EMBER_API_KEY=KEY))
     yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    stop_serve(proc)
 
 
 @pytest.fixture(scope="module")

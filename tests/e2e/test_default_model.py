@@ -9,12 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
@@ -23,7 +18,7 @@ from ember import LLM, SamplingParams
 from ember.runtime.llm import load_chat_template
 from ember.tools import checkpoints
 from ember.tools.gguf_writer import write_gguf
-from tests.e2e.test_serve import _free_port
+from tests.e2e.servers import start_serve, stop_serve, with_chat_template
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -34,33 +29,6 @@ TEMPLATE = (
 )
 
 
-def _start(args: list[str], env: dict[str, str], timeout: float = 420) -> tuple[Any, str]:
-    """`ember serve ARGS` on a free port; (process, base URL) once /health answers."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "ember.cli", "serve", *args, "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"ember serve exited: {proc.stdout.read()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(0.5)
-    proc.kill()
-    pytest.fail(f"ember serve did not come up in {timeout:.0f} s: {proc.stdout.read()[-3000:]}")
-
-
-def _stop(proc: Any) -> str:
-    proc.terminate()
-    out, _ = proc.communicate(timeout=60)
-    return out
-
-
 def test_serve_with_no_model_answers_a_chat_in_a_fresh_cache(tmp_path):
     """What a new user does after the README's install: `ember serve`, then a chat. The fresh
     cache directory means the model is fetched and the kernels and graphs are built here,
@@ -68,7 +36,7 @@ def test_serve_with_no_model_answers_a_chat_in_a_fresh_cache(tmp_path):
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
     env.pop("HF_HUB_OFFLINE", None)
     t0 = time.perf_counter()
-    proc, url = _start(["--kv-cache-gib", "0.1", "--max-model-len", "1024"], env)
+    proc, url = start_serve(["--kv-cache-gib", "0.1", "--max-model-len", "1024"], env)
     ready_s = time.perf_counter() - t0
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
@@ -90,7 +58,7 @@ def test_serve_with_no_model_answers_a_chat_in_a_fresh_cache(tmp_path):
         assert "<|im_start|>assistant" in want
         assert r.usage.prompt_tokens == len(tok.encode(want, add_special_tokens=False))
     finally:
-        log = _stop(proc)
+        log = stop_serve(proc)
     assert "no model given: using SmolLM2-135M-Instruct" in log, log[-2000:]
     print(f"ember serve with no model: /health after {ready_s:.1f} s in a fresh cache")
 
@@ -99,14 +67,9 @@ def test_serve_with_no_model_answers_a_chat_in_a_fresh_cache(tmp_path):
 def gguf_pair(checkpoint_dir, tmp_path_factory):
     """(file with TEMPLATE, file without a template, the HF checkpoint both were written from)."""
     root = tmp_path_factory.mktemp("chat-gguf")
-    plain = str(root / "hf")
-    shutil.copytree(checkpoint_dir("tiny-llama"), plain)
+    plain = checkpoint_dir("tiny-llama")
     without = write_gguf(plain, str(root / "plain.gguf"), "F32")
-    templated = str(root / "hf-templated")
-    shutil.copytree(plain, templated)
-    tok = AutoTokenizer.from_pretrained(templated)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(templated)
+    templated = with_chat_template(plain, str(root / "hf-templated"), TEMPLATE)
     return write_gguf(templated, str(root / "templated.gguf"), "F32"), without, templated
 
 
@@ -138,7 +101,7 @@ def test_serve_chat_template_flag_for_a_file_without_one(gguf_pair, tmp_path):
     template_file.write_text(TEMPLATE)
     args = [without, "--no-compile", "--kv-cache-gib", "0.02", "--max-model-len", "128",
             "--chat-template", str(template_file)]  # fmt: skip
-    proc, url = _start(args, dict(os.environ), timeout=180)
+    proc, url = start_serve(args, dict(os.environ), timeout=180)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         assert [m.id for m in client.models.list().data] == [without]
@@ -151,7 +114,7 @@ def test_serve_chat_template_flag_for_a_file_without_one(gguf_pair, tmp_path):
         assert r.usage.prompt_tokens == len(want.prompt_token_ids)
         assert r.choices[0].message.content == want.outputs[0].text
     finally:
-        _stop(proc)
+        stop_serve(proc)
 
 
 def test_load_chat_template_reads_a_file_or_takes_the_template(tmp_path):

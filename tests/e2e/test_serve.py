@@ -8,11 +8,7 @@ import asyncio
 import base64
 import json
 import os
-import shutil
-import socket
 import struct
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +19,7 @@ from transformers import AutoTokenizer
 from ember import LLM, LoRARequest, SamplingParams
 from ember.runtime.engine import LLMEngine
 from tests.conftest import make_prompts
+from tests.e2e.servers import start_serve, stop_serve, with_chat_template
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -39,11 +36,7 @@ KEY = "sk-test-key"
 @pytest.fixture(scope="module")
 def model_dir(checkpoint_dir, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("serve") / "m")
-    shutil.copytree(checkpoint_dir("tiny-llama"), d)
-    tok = AutoTokenizer.from_pretrained(d)
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(d)
-    return d
+    return with_chat_template(checkpoint_dir("tiny-llama"), d, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -61,42 +54,16 @@ def offline(model_dir):
     llm.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(model_dir, adapter):
     """`ember serve MODEL` with the key from EMBER_API_KEY (never on the command line) and an
     adapter served as the model "sql"."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "ember.cli", "serve", model_dir, "--port", str(port),
-           "--no-compile", "--kv-cache-gib", "0.02", "--max-model-len", "256",
-           "--dtype", "float32", "--served-model-name", "tiny", "--enable-lora",
-           "--max-lora-rank", "8", "--lora-modules", f"sql={adapter.lora_path}"]  # fmt: skip
-    env = dict(os.environ, EMBER_API_KEY=KEY)
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stdout.read()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail("server did not come up in 180 s")
+    args = [model_dir, "--no-compile", "--kv-cache-gib", "0.02", "--max-model-len", "256",
+            "--dtype", "float32", "--served-model-name", "tiny", "--enable-lora",
+            "--max-lora-rank", "8", "--lora-modules", f"sql={adapter.lora_path}"]  # fmt: skip
+    proc, url = start_serve(args, dict(os.environ, EMBER_API_KEY=KEY))
     yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    stop_serve(proc)
 
 
 @pytest.fixture

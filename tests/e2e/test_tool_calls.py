@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ from transformers import AutoTokenizer
 
 from ember.runtime.config import EngineArgs
 from ember.runtime.engine import LLMEngine
-from tests.e2e.test_serve import _free_port
+from tests.e2e.servers import free_port, start_serve, stop_serve, with_chat_template
 
 fastapi = pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -100,11 +99,7 @@ FORMATS = {
 @pytest.fixture(scope="module")
 def model_dir(checkpoint_dir, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tools") / "m")
-    shutil.copytree(checkpoint_dir("tiny-llama"), d)
-    tok = AutoTokenizer.from_pretrained(d)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(d)
-    return d
+    return with_chat_template(checkpoint_dir("tiny-llama"), d, TEMPLATE)
 
 
 ENGINE = dict(compile=False, dtype="float32", kv_cache_gib=0.05, max_model_len=512)
@@ -133,7 +128,7 @@ def server(model_dir):
     for name, options in APPS.items():
         tools = ChatTools(engine.engine.tokenizer, **options)
         root.mount(f"/{name}", build_app(engine, "tiny", chat_tools=tools))
-    port = _free_port()
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(root, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -394,9 +389,7 @@ def test_serve_flags(model_dir):
     bad = subprocess.run(base + ["--enable-auto-tool-choice"], capture_output=True, text=True,
                          timeout=120)  # fmt: skip
     assert bad.returncode == 2 and "--tool-call-parser" in bad.stderr, bad.stderr
-    from tests.e2e.test_default_model import _start, _stop
-
-    proc, url = _start([model_dir, "--no-compile", "--kv-cache-gib", "0.05", "--max-model-len",
+    proc, url = start_serve([model_dir, "--no-compile", "--kv-cache-gib", "0.05", "--max-model-len",
                         "512", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
                        dict(os.environ), timeout=120)  # fmt: skip
     try:
@@ -407,4 +400,4 @@ def test_serve_flags(model_dir):
         )  # fmt: skip
         assert _calls(r.choices[0].message) == CALLS
     finally:
-        _stop(proc)
+        stop_serve(proc)

@@ -1,0 +1,63 @@
+"""Helpers the end-to-end tests share: a checkpoint copy with a chat template, and `ember serve`
+started in a subprocess on a free port (ready once `/health` answers)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from transformers import AutoTokenizer
+
+
+def with_chat_template(src: str, dest: str, template: str) -> str:
+    """A copy of the checkpoint `src` at `dest` whose tokenizer has `template`."""
+    shutil.copytree(src, dest)
+    tok = AutoTokenizer.from_pretrained(dest)
+    tok.chat_template = template
+    tok.save_pretrained(dest)
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serve(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = 180
+) -> tuple[subprocess.Popen[str], str]:
+    """`ember serve ARGS --port P` on a free port P; (process, base URL) once /health answers.
+    Fails the test with the server's output when it exits or does not come up in time."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "ember.cli", "serve", *args, "--port", str(port)]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"ember serve exited: {proc.stdout.read()[-3000:]}")  # type: ignore[union-attr]
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.3)
+    proc.kill()
+    out = proc.stdout.read()[-3000:]  # type: ignore[union-attr]
+    pytest.fail(f"ember serve did not come up in {timeout:.0f} s: {out}")
+
+
+def stop_serve(proc: subprocess.Popen[str]) -> str:
+    """Stop the server; returns its output."""
+    proc.terminate()
+    out, _ = proc.communicate(timeout=60)
+    return out
