@@ -128,20 +128,22 @@ class ChatTools:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
-    def _forced(self, mode: _Mode, text: str) -> list[ToolCall]:
+    def forced_calls(self, mode: _Mode, text: str) -> list[ToolCall]:
         """The calls of an answer made under `structured_output` (it parses by construction;
         an answer cut by max_tokens may not, and then has no calls)."""
         try:
             value = json.loads(text)
-        except ValueError:
+            if mode.kind == "named":
+                assert mode.function is not None
+                if not isinstance(value, dict):
+                    return []  # a function's arguments are an object
+                return [ToolCall(mode.function, json.dumps(value, ensure_ascii=False))]
+            return [
+                ToolCall(str(item["name"]), json.dumps(item["parameters"], ensure_ascii=False))
+                for item in value
+            ]
+        except (ValueError, TypeError, KeyError):
             return []
-        if mode.kind == "named":
-            assert mode.function is not None
-            return [ToolCall(mode.function, json.dumps(value, ensure_ascii=False))]
-        return [
-            ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-            for item in value
-        ]
 
     def answer(self, mode: _Mode, text: str) -> tuple[dict[str, Any], bool]:
         """(the assistant message of a whole answer, whether it holds tool calls)."""
@@ -152,7 +154,7 @@ class ChatTools:
             message["reasoning_content"] = reasoning
         calls: list[ToolCall] = []
         if mode.kind in ("required", "named"):
-            calls = self._forced(mode, content or "")
+            calls = self.forced_calls(mode, content or "")
             if calls:
                 content = None
         elif mode.kind == "auto" and self.tool_parser is not None and content:
@@ -185,7 +187,7 @@ class ChatStream:
             self.forced.append(piece)
             if not final:
                 return []
-            calls = self.tools._forced(self.mode, "".join(self.forced))
+            calls = self.tools.forced_calls(self.mode, "".join(self.forced))
             if not calls:  # cut short: what there is stays content
                 return [{"content": "".join(self.forced)}] if self.forced else []
             self.called = True

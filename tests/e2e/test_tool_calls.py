@@ -401,3 +401,19 @@ def test_serve_flags(model_dir):
         assert _calls(r.choices[0].message) == CALLS
     finally:
         stop_serve(proc)
+
+
+def test_forced_answers_that_do_not_parse_stay_content():
+    """A forced call cut short by max_tokens (or, with the grammar dormant before a reasoning
+    end that never came, free text) has no calls: its text stays content, streamed or not."""
+    from ember.serve.chat_outputs import ChatTools
+
+    tools = ChatTools(None)
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        mode = tools.mode(TOOLS, choice)
+        for text in ('[{"name": "get_time", "parameters": {"zo', '[{"nam": 1}]', "[1, 2]", "x"):
+            message, called = tools.answer(mode, text)
+            assert not called and message["content"] == text and "tool_calls" not in message
+            stream = tools.stream(mode)
+            deltas = stream.feed(text[:5]) + stream.feed(text[5:], final=True)
+            assert "".join(d.get("content", "") for d in deltas) == text and not stream.called
