@@ -387,7 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve --replicas N with Ray Serve (RAY_ADDRESS or local)",
     )
     srv.add_argument("--replicas", type=int, default=2, help="Ray Serve replicas (with --ray)")
-    srv.set_defaults(func=cmd_serve)
+    # A server answers at once: its graphs compile in the background (--no-background-compile:
+    # compile them all before the first request, as `LLM` does).
+    srv.set_defaults(func=cmd_serve, background_compile=True)
     add_chat_parser(sub, _add_engine_args)
     sub.choices["chat"].set_defaults(func=functools.partial(cmd_chat, resolve=_model_overrides))
     return parser
@@ -398,6 +400,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    if not args.compile or args.freeze_weights:
+        args.background_compile = False  # serve's default applies where workers can compile
     engine_args = EngineArgs.from_cli_args(
         args, **_model_overrides(args, args.model_tag or args.model)
     )

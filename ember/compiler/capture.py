@@ -9,6 +9,7 @@ torch.compile: no `.item()`, no branching on tensor values, no config or global 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import inspect
 import logging
 import os
@@ -144,6 +145,9 @@ class CompiledForward:
         self.num_compiled = 0  # graphs compiled in this process (cache misses, late shapes)
         self.num_loaded = 0  # graphs loaded from the compile cache
         self._dynamo: Forward | None = None
+        # While graphs compile in the background (`BackgroundGraphs`), a step whose graph is
+        # not ready yet runs the forward eagerly instead of compiling it here.
+        self.eager_fallback = False
 
     def key(self, num_tokens: int) -> str:
         """The graph serving a step of `num_tokens` (already padded to its bucket)."""
@@ -154,6 +158,8 @@ class CompiledForward:
     def __call__(self, *args: Any) -> Any:
         graph = self.graphs.get(self.key(args[0].shape[0]))
         if graph is None:
+            if self.eager_fallback:
+                return self.forward(*args)
             graph = self.prepare(args)
         return graph(*args)
 
@@ -287,6 +293,16 @@ def compile_workers(jobs: list[GraphJob]) -> int:
     return max(1, min(len(todo), cores, limit))
 
 
+def can_compile_in_background(jobs: list[GraphJob]) -> bool:
+    """Whether `jobs`' graphs can compile in forked workers while this process runs steps:
+    on Linux, not frozen (frozen graphs compile in this process), no CUDA started."""
+    return (
+        sys.platform.startswith("linux")
+        and not torch.cuda.is_initialized()
+        and not any(j.forward.freezing for j in jobs)
+    )
+
+
 def _to_compile(jobs: list[GraphJob]) -> list[GraphJob]:
     """The jobs whose graph has no cache file yet."""
     return [j for j in jobs if j.path is None or not os.path.isfile(j.path)]
@@ -365,10 +381,94 @@ def prepare_graphs(
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+class BackgroundGraphs:
+    """Graphs prepared while the engine already answers (`EngineArgs.background_compile`).
+
+    Graphs in the compile cache are loaded at once; the others are dealt out to compile
+    workers forked from this process (as `prepare_graphs` does, but this process compiles
+    none: it serves steps on the eager path meanwhile, `CompiledForward.eager_fallback`).
+    `poll()`, called between steps, adopts the graphs of every worker that has finished, so
+    each bucket switches to its graph at a step boundary; a worker that failed leaves its
+    graphs to be compiled here at that poll. `ready(job)` runs after each graph is in place
+    (the runner's dummy step); `settings()` is the context the graphs are loaded in."""
+
+    def __init__(
+        self,
+        jobs: list[GraphJob],
+        workers: int,
+        ready: Callable[[GraphJob], None],
+        settings: Callable[[], contextlib.AbstractContextManager[Any]],
+    ) -> None:
+        self.ready, self.settings = ready, settings
+        todo = _to_compile(jobs)
+        with settings():
+            for job in jobs:
+                if job not in todo:
+                    job.forward.prepare(job.args, job.path)
+                    ready(job)
+        self.scratch = tempfile.mkdtemp(prefix="ember-graphs-")
+        self.workers: list[tuple[int | None, list[tuple[GraphJob, str]]]] = []
+        workers = max(1, min(workers, len(todo)))
+        for w in range(workers if todo else 0):
+            share = [
+                (job, job.path or os.path.join(self.scratch, f"graph{w}-{i}"))
+                for i, job in enumerate(todo[w::workers])
+            ]
+            self.workers.append((_fork_worker(share), share))
+        self.forwards = {job.forward for job in todo}  # eager while any graph is missing
+        for forward in self.forwards:
+            forward.eager_fallback = True
+
+    def poll(self, block: bool = False) -> bool:
+        """Adopt the graphs of the workers that have finished (`block`: wait for all);
+        True when every graph is in place."""
+        for entry in list(self.workers):
+            pid, share = entry
+            code: int | None = -1
+            if pid is not None:
+                try:
+                    done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
+                except ChildProcessError:
+                    done, status = pid, 1 << 8
+                if not done:
+                    continue
+                code = os.waitstatus_to_exitcode(status)
+            self.workers.remove(entry)
+            if code != 0:
+                logger.warning("compile worker %s failed (exit code %s); compiling its %d "
+                               "graph(s) here", pid, code, len(share))  # fmt: skip
+            with self.settings():
+                for job, target in share:
+                    if code == 0 and os.path.isfile(target):
+                        job.forward.adopt(job.args, target)
+                    else:
+                        job.forward.prepare(job.args, job.path)
+                    self.ready(job)
+        if not self.workers:
+            for forward in self.forwards:
+                forward.eager_fallback = False
+            shutil.rmtree(self.scratch, ignore_errors=True)
+        return not self.workers
+
+    def stop(self) -> None:
+        """Stop the workers still compiling (an engine closed before its graphs were done)."""
+        for pid, share in self.workers:
+            if pid is not None:
+                _reap(pid, time.monotonic())
+                for _, target in share:
+                    with contextlib.suppress(OSError):
+                        os.remove(_partial(target, pid))
+        self.workers.clear()
+        for forward in self.forwards:
+            forward.eager_fallback = False
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
 def _fork_worker(share: list[tuple[GraphJob, str]]) -> int | None:
     """Fork a compile worker that compiles `share`'s graphs, each into its file; its pid, or
     None when this process cannot fork."""
     threads = torch.get_num_threads()
+    parent = os.getpid()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     try:
@@ -381,6 +481,7 @@ def _fork_worker(share: list[tuple[GraphJob, str]]) -> int | None:
         return pid
     code = 1
     try:
+        _die_with_parent(parent)
         # The parent's OpenMP threads do not exist here, so no parallel region may start:
         # ATen runs its loops on this one thread, while inductor, which asks
         # `torch.get_num_threads()`, still writes the kernels the parent would (same code,
@@ -398,6 +499,16 @@ def _fork_worker(share: list[tuple[GraphJob, str]]) -> int | None:
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel kill this compile worker when its parent exits (Linux's
+    PR_SET_PDEATHSIG): a server stopped while its graphs compile in the background leaves no
+    compiler running."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent exited before the request took effect
+        os._exit(1)
 
 
 def _partial(path: str, pid: int) -> str:

@@ -116,6 +116,13 @@ class EngineArgs:
         default=False,
         metadata=_help("let inductor fold and prepack weights (faster GEMMs; not cacheable)"),
     )
+    background_compile: bool = field(
+        default=False,
+        metadata=_help(
+            "answer at once: steps run eagerly while the graphs compile in forked workers, "
+            "each switched in between steps when ready (graphs in the compile cache load first)"
+        ),
+    )
     token_buckets: tuple[int, ...] = field(
         default=(1,),
         metadata=_help("comma-separated token counts with their own static graph"),
@@ -263,6 +270,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             seed=self.seed,
             compile=self.compile,
+            background_compile=self.background_compile,
             compile_cache_dir=_compile_cache_dir(self.compile_cache_dir, self.freeze_weights),
             freeze_weights=self.freeze_weights,
             token_buckets=buckets or (1,),
@@ -468,6 +476,7 @@ class EngineConfig:
     load_format: str = "safetensors"
     generation_config: str = "auto"
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    background_compile: bool = False
 
     def __post_init__(self) -> None:
         _check_range("kv_cache_gib", self.kv_cache_gib, 1e-6, 1024)
@@ -491,6 +500,11 @@ class EngineConfig:
             raise ValueError(
                 "token_buckets must be increasing sizes in [1, max_num_batched_tokens="
                 f"{self.max_num_batched_tokens}], got {self.token_buckets}"
+            )
+        if self.background_compile and (self.freeze_weights or not self.compile):
+            raise ValueError(
+                "background_compile=True needs compile=True and freeze_weights=False (frozen "
+                "graphs compile in the engine's own process)"
             )
         if self.freeze_weights and self.compile_cache_dir is not None:
             raise ValueError(

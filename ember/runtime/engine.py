@@ -180,7 +180,9 @@ class LLMEngine:
             )
         engine = cls(config, loaded, num_blocks)
         collapse_to_huge_pages()  # the weights' pages, on a thread, while the graphs compile
-        engine.compile_cache_hit = engine.runner.warmup(show_progress)
+        engine.compile_cache_hit = engine.runner.warmup(
+            show_progress, background=config.background_compile
+        )
         return engine
 
     # ---- requests ---------------------------------------------------------------------------

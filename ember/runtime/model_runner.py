@@ -20,10 +20,12 @@ from ember.attention import get_backend
 from ember.attention.metadata import NULL_BLOCK
 from ember.compiler import cache
 from ember.compiler.capture import (
+    BackgroundGraphs,
     CompiledForward,
     Forward,
     GraphJob,
     build_forwards,
+    can_compile_in_background,
     compile_workers,
     prepare_graphs,
 )
@@ -87,6 +89,7 @@ class ModelRunner:
         ]
         self.buckets = config.token_buckets
         self.decode_buffers = DecodeBuffers()
+        self.background: BackgroundGraphs | None = None  # graphs compiling (background_compile)
         self.forwards = build_forwards(
             loaded,
             self.kv_caches,
@@ -127,17 +130,29 @@ class ModelRunner:
 
     def close(self) -> None:
         """Release the KV cache, the forwards (and their compiled graphs) and the model."""
+        if self.background is not None:
+            self.background.stop()
+            self.background = None
         self.kv_caches = []
         self.backend.release()
         self.forwards = None  # type: ignore[assignment]
         self.model = self.loaded = None  # type: ignore[assignment]
         gc.collect()
 
+    def wait_for_graphs(self) -> None:
+        """Block until every graph compiling in the background is in place."""
+        if self.background is not None:
+            self.background.poll(block=True)
+            self.background = None
+
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> RunnerOutput:
         """Run `plan`: the encoder pass of requests admitted this step (encoder-decoder models),
-        the embeddings (pooled), then the generating requests (sampled)."""
+        the embeddings (pooled), then the generating requests (sampled). Graphs compiled in
+        the background since the last step are switched in first."""
+        if self.background is not None and self.background.poll():
+            self.background = None
         if self.forwards.encoder is not None:
             encoder = encoder_plan(plan)
             if encoder.requests:
@@ -310,12 +325,16 @@ class ModelRunner:
         return images, 0, slots
 
     @torch.inference_mode()
-    def warmup(self, show_progress: bool = True) -> bool:
+    def warmup(self, show_progress: bool = True, background: bool = False) -> bool:
         """Compile (or load) every graph now, so no request ever waits on a compile.
 
         With `compile_cache_dir`, saved graphs are loaded (nothing is traced or compiled then),
         and fresh ones are saved after compiling. Each graph then runs one dummy step, entirely
         in the null block, which real requests never read. Returns True on a cache hit.
+
+        `background`: graphs not in the cache compile in forked workers instead while steps
+        run eagerly (`BackgroundGraphs`); `execute` switches each in between steps, and
+        `wait_for_graphs` blocks until all are in place.
         """
         compiled = self.forwards.compiled()
         if not compiled:
@@ -360,6 +379,29 @@ class ModelRunner:
                 if cache_dir is not None:
                     path = cache.graph_file(cache_dir, parts, f"{name}-{key}")
                 runs[GraphJob(forward, args, path)] = run
+        if background and can_compile_in_background(list(runs)):
+            probes: list[str] = []
+
+            @contextlib.contextmanager
+            def settings() -> Any:
+                with (
+                    compile_settings(self.config.freeze_weights, inductor_dir),
+                    vec_isa_probes(cache.recorded_probes(record)) as probed,
+                ):
+                    yield
+                probes.extend(probed)
+
+            def ready_and_record(job: GraphJob) -> None:
+                runs[job]()
+                runs.pop(job)
+                if not runs and cache_dir is not None and not hit:
+                    cache.mark_complete(cache_dir, parts, probes)
+
+            jobs = list(runs)
+            self.background = BackgroundGraphs(
+                jobs, compile_workers(jobs), ready_and_record, settings
+            )
+            return hit
         with (
             compile_settings(self.config.freeze_weights, inductor_dir),
             vec_isa_probes(cache.recorded_probes(record)) as probed,

@@ -4,6 +4,7 @@ run them on every machine with 2 cores or more)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -202,3 +203,52 @@ def test_compile_workers_counts_graphs_to_compile_cores_and_the_override(tmp_pat
     frozen = FakeForward()
     frozen.freezing = True
     assert compile_workers(jobs + [GraphJob(frozen, (5,), None)]) == 1
+
+
+# ---- BackgroundGraphs: graphs compiled while the engine answers (background_compile) -------
+
+
+def test_background_graphs_load_the_cached_at_once_and_compile_the_rest_in_workers(
+    tmp_path, scratch
+):
+    forward = FakeForward()
+    cached = tmp_path / "cached.graph"
+    cached.write_text("from the cache")
+    jobs = [GraphJob(forward, ("a",), None), GraphJob(forward, ("b",), str(tmp_path / "b.graph")),
+            GraphJob(forward, ("c",), str(cached))]  # fmt: skip
+    readied: list = []
+    background = capture.BackgroundGraphs(jobs, 2, readied.append, contextlib.nullcontext)
+    me = os.getpid()
+    assert readied == [jobs[2]] and forward.log == [("load", me, "from the cache")]
+    assert forward.eager_fallback  # steps run eagerly until every graph is in
+    assert background.poll(block=True)
+    assert sorted(readied, key=jobs.index) == jobs
+    adopted = [text for kind, pid, text in forward.log if kind == "adopt"]
+    assert len(adopted) == 2 and all(int(t.split()[0]) != me for t in adopted)
+    assert not any(kind == "compile" for kind, _, _ in forward.log)  # none compiled here
+    assert (tmp_path / "b.graph").exists()  # a worker wrote the cache file itself
+    assert not forward.eager_fallback and not scratch[0].exists() and no_children_left()
+    assert background.poll()  # nothing left: polls return at once
+
+
+def test_a_failed_background_worker_leaves_its_graphs_to_the_next_poll(caplog, scratch):
+    forward = FakeForward("fail")
+    jobs = [GraphJob(forward, (i,), None) for i in range(2)]
+    readied: list = []
+    background = capture.BackgroundGraphs(jobs, 2, readied.append, contextlib.nullcontext)
+    with caplog.at_level(logging.WARNING, logger="ember"):
+        assert background.poll(block=True)
+    assert sorted(readied, key=jobs.index) == jobs
+    assert [kind for kind, pid, _ in forward.log] == ["compile", "compile"]
+    assert all(pid == os.getpid() for _, pid, _ in forward.log)
+    assert "failed" in caplog.text and no_children_left()
+
+
+def test_stopping_background_graphs_stops_their_workers(scratch):
+    forward = FakeForward("hang")
+    background = capture.BackgroundGraphs(
+        [GraphJob(forward, (0,), None)], 1, lambda job: None, contextlib.nullcontext
+    )
+    assert not background.poll()  # still compiling
+    background.stop()
+    assert no_children_left() and not forward.eager_fallback and not scratch[0].exists()
