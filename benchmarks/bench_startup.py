@@ -42,15 +42,20 @@ print(json.dumps({"import_s": imported - start, "ready_s": time.perf_counter() -
 """
 
 
-def _start(checkpoint: str, cache_dir: str) -> dict:
+def _child(code: str, *args: str, timeout: float = 900) -> dict:
+    """Run `code` in a fresh Python with `args`; the JSON object it prints last."""
     child = subprocess.run(
-        [sys.executable, "-c", _CHILD, checkpoint, cache_dir],
+        [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
         check=True,
-        timeout=900,
+        timeout=timeout,
     )
     return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def _start(checkpoint: str, cache_dir: str) -> dict:
+    return _child(_CHILD, checkpoint, cache_dir)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -97,14 +102,7 @@ print(json.dumps({"import_s": imported - start, "ready_s": ready - imported,
 
 
 def _depth_start(checkpoint: str, cache_dir: str, mode: str) -> dict:
-    child = subprocess.run(
-        [sys.executable, "-c", _DEPTH_CHILD, checkpoint, cache_dir, mode],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=1800,
-    )
-    return json.loads(child.stdout.strip().splitlines()[-1])
+    return _child(_DEPTH_CHILD, checkpoint, cache_dir, mode, timeout=1800)
 
 
 @pytest.mark.parametrize("layers", LAYERS)

@@ -30,6 +30,7 @@ from ember.tools.checkpoints import (
     default_model,
     default_model_dir,
     gemma3_270m,
+    gemma3_270m_path,
 )
 
 
@@ -81,7 +82,7 @@ def served_chat_template(args: argparse.Namespace, model: str) -> str | None:
     template = load_chat_template(args.chat_template)
     if template is not None or args.model_tag or args.model:
         return template
-    if os.path.basename(model) != DEFAULT_FILE and model == gemma3_270m():
+    if model == gemma3_270m_path():  # _resolve_model assembled and checked it already
         return GEMMA3_CHAT_TEMPLATE
     return None
 

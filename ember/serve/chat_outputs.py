@@ -45,6 +45,7 @@ def check_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]
 @dataclass
 class _Mode:
     kind: str  # "none", "auto", "required" or "named"
+    functions: dict[str, dict[str, Any]]  # the request's tools: name -> parameters schema
     function: str | None = None
 
 
@@ -89,7 +90,7 @@ class ChatTools:
                 )
             if name not in functions:
                 raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
-            return _Mode("named", name)
+            return _Mode("named", functions, name)
         if tool_choice not in ("none", "auto", "required"):
             raise ValueError(f"tool_choice must be none, auto, required or a function, got "
                              f"{tool_choice!r}")  # fmt: skip
@@ -100,18 +101,16 @@ class ChatTools:
                 '"auto" tool choice needs the server started with --enable-auto-tool-choice '
                 "and --tool-call-parser NAME"
             )
-        return _Mode(tool_choice)
+        return _Mode(tool_choice, functions)
 
     @staticmethod
-    def structured_output(
-        mode: _Mode, tools: list[dict[str, Any]] | None, parallel_tool_calls: bool
-    ) -> StructuredOutputsParams | None:
+    def structured_output(mode: _Mode, parallel_tool_calls: bool) -> StructuredOutputsParams | None:
         """The grammar that forces a call: the named function's parameters, or for
         `required` a JSON array of {"name", "parameters"} objects (one item unless
         `parallel_tool_calls`), as vLLM builds it."""
         if mode.kind not in ("required", "named"):
             return None
-        functions = check_tools(tools)
+        functions = mode.functions
         if mode.kind == "named":
             assert mode.function is not None
             return StructuredOutputsParams(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from ember.serve.registry import Registry
 from ember.serve.tool_parsers import held_prefix
 
 
@@ -103,30 +104,10 @@ class ReasoningStream:
         return reasoning, content
 
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {}
-
-
-def register_reasoning_parser(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-    """Class decorator: adds `cls` to `REASONING_PARSERS` under `cls.name`."""
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"reasoning parser class {cls.__name__} needs a non-empty string `name`")
-    if REASONING_PARSERS.get(name, cls) is not cls:
-        raise ValueError(
-            f"reasoning parser name {name!r} is already registered by "
-            f"{REASONING_PARSERS[name].__name__}"
-        )
-    REASONING_PARSERS[name] = cls
-    return cls
-
-
-def get_reasoning_parser(name: str) -> type[ReasoningParser]:
-    """The parser class registered as `name` (`--reasoning-parser`)."""
-    try:
-        return REASONING_PARSERS[name]
-    except KeyError:
-        known = ", ".join(sorted(REASONING_PARSERS))
-        raise ValueError(f"unknown reasoning_parser {name!r}; known parsers: {known}") from None
+_REGISTRY: Registry[type[ReasoningParser]] = Registry("reasoning parser", "reasoning_parser")
+REASONING_PARSERS = _REGISTRY.classes
+register_reasoning_parser = _REGISTRY.register  # class decorator: adds a class under its `name`
+get_reasoning_parser = _REGISTRY.get  # the class of a `--reasoning-parser` name
 
 
 @register_reasoning_parser

@@ -364,7 +364,7 @@ def build_app(
             )  # fmt: skip
             max_tokens = body.max_completion_tokens or body.max_tokens
             params = body.sampling_params(defaults, max_tokens if max_tokens else None)
-            forced = tools.structured_output(mode, body.tools, body.parallel_tool_calls)
+            forced = tools.structured_output(mode, body.parallel_tool_calls)
             if forced is not None:
                 if params.structured_outputs is not None:
                     raise ValueError(
@@ -441,9 +441,10 @@ async def _respond(
                 logprobs.setdefault(idx, []).extend(c.logprobs or [])
                 completion_tokens += len(c.token_ids)
                 reasons[idx] = c.finish_reason
-                if getattr(body, "echo", False):
-                    echoes[idx] = (_prompt_text(engine, out), out.prompt_token_ids,
-                                   out.prompt_logprobs)  # fmt: skip
+        if getattr(body, "echo", False) and outs:  # once per prompt, from its last output
+            last = outs[-1]
+            echoed = (_prompt_text(engine, last), last.prompt_token_ids, last.prompt_logprobs)
+            echoes.update((p * params.n + i, echoed) for i in range(params.n))
     choices = []
     for idx in sorted(texts):
         text = "".join(texts[idx])
@@ -458,7 +459,7 @@ async def _respond(
             lps = None
             prompt, prompt_ids, prompt_lps = echoes.get(idx, ("", [], None))
             if params.logprobs is not None:
-                lps = _completion_logprobs(logprobs[idx], 0, len(prompt))
+                lps = _completion_logprobs(logprobs[idx], len(prompt))
                 if idx in echoes:
                     lps = _merge_logprobs(_prompt_logprobs(engine, prompt_ids, prompt_lps), lps)
             choices.append({"index": idx, "text": prompt + text, "logprobs": lps,
@@ -544,7 +545,7 @@ async def _events(
                     else:
                         lps = None
                         if logprob_k is not None:
-                            lps = _completion_logprobs(c.logprobs or [], 0, offsets.get(idx, 0))
+                            lps = _completion_logprobs(c.logprobs or [], offsets.get(idx, 0))
                             offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in lps["tokens"])
                         choices.append({"index": idx, "text": c.text, "logprobs": lps,
                                         "finish_reason": c.finish_reason})  # fmt: skip
@@ -571,14 +572,12 @@ def _token_text(entry: dict[int, Logprob], token: int) -> str:
     return lp.decoded_token if lp is not None and lp.decoded_token is not None else ""
 
 
-def _completion_logprobs(
-    entries: list[dict[int, Logprob]], first: int, offset: int
-) -> dict[str, list[Any]]:
+def _completion_logprobs(entries: list[dict[int, Logprob]], offset: int) -> dict[str, list[Any]]:
     """OpenAI's legacy completion logprobs of generated tokens: each entry's first key is
     the sampled token (ember's order), the rest its top alternatives; `offset`: where the
     first token's text starts in the choice's text."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    for entry in entries[first:]:
+    for entry in entries:
         sampled = next(iter(entry))
         text = _token_text(entry, sampled)
         offsets.append(offset)
@@ -667,7 +666,8 @@ def serve(
     chat_template: str | None = None,
     tool_options: dict[str, Any] | None = None,
 ) -> None:
-    """Build the engine (compiling every graph first), then serve until interrupted.
+    """Build the engine (its graphs compiled first, or in the background with
+    `background_compile`), then serve until interrupted.
     `tool_options`: `ChatTools`' keyword arguments (`enable_auto_tool_choice`,
     `tool_call_parser`, `reasoning_parser`), checked before the engine is built."""
     import uvicorn  # noqa: PLC0415
@@ -677,14 +677,14 @@ def serve(
     loras = parse_lora_modules(lora_modules)
     if loras and not engine_args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
-    ChatTools(None, **(tool_options or {}))  # bad parser names fail before the engine is built
+    tools = ChatTools(None, **(tool_options or {}))  # bad parser names fail before the engine
     config = engine_args.create_engine_config()
     llm_engine = LLMEngine.from_config(config)
     for lora in loras.values():  # checked (and loaded) before the server takes requests
         assert llm_engine.lora is not None
         llm_engine.lora.add(lora)
     engine = AsyncLLMEngine(llm_engine)
-    tools = ChatTools(llm_engine.tokenizer, **(tool_options or {}))
+    tools.tokenizer = llm_engine.tokenizer
     app = build_app(engine, model_name or engine_args.model, api_key, loras, chat_template, tools)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -37,6 +37,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from ember.serve.registry import Registry
+
 
 @dataclass
 class ToolCall:
@@ -243,29 +245,10 @@ class ToolStream:
             self._emitted = True
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {}
-
-
-def register_tool_parser(cls: type[ToolParser]) -> type[ToolParser]:
-    """Class decorator: adds `cls` to `TOOL_PARSERS` under `cls.name`."""
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"tool parser class {cls.__name__} needs a non-empty string `name`")
-    if TOOL_PARSERS.get(name, cls) is not cls:
-        raise ValueError(
-            f"tool parser name {name!r} is already registered by {TOOL_PARSERS[name].__name__}"
-        )
-    TOOL_PARSERS[name] = cls
-    return cls
-
-
-def get_tool_parser(name: str) -> type[ToolParser]:
-    """The parser class registered as `name` (`--tool-call-parser`)."""
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        known = ", ".join(sorted(TOOL_PARSERS))
-        raise ValueError(f"unknown tool_call_parser {name!r}; known parsers: {known}") from None
+_REGISTRY: Registry[type[ToolParser]] = Registry("tool parser", "tool_call_parser")
+TOOL_PARSERS = _REGISTRY.classes
+register_tool_parser = _REGISTRY.register  # class decorator: adds a class under its `name`
+get_tool_parser = _REGISTRY.get  # the class of a `--tool-call-parser` name
 
 
 @register_tool_parser

@@ -1,5 +1,5 @@
-"""Helpers the end-to-end tests share: a checkpoint copy with a chat template, and `ember serve`
-started in a subprocess on a free port (ready once `/health` answers)."""
+"""Helpers the end-to-end tests share: a checkpoint copy with a chat template, `ember serve`
+started in a subprocess on a free port (ready once `/health` answers), and its metrics."""
 
 from __future__ import annotations
 
@@ -54,6 +54,19 @@ def start_serve(
     proc.kill()
     out = proc.stdout.read()[-3000:]  # type: ignore[union-attr]
     pytest.fail(f"ember serve did not come up in {timeout:.0f} s: {out}")
+
+
+def metrics(server: str, api_key: str | None = None) -> dict[str, float]:
+    """The server's Prometheus `/metrics` as {sample name with labels: value}."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(server + "/metrics", headers=headers)) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
 
 
 def stop_serve(proc: subprocess.Popen[str]) -> str:

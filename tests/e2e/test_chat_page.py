@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from ember import LLM, SamplingParams
-from tests.e2e.servers import start_serve, stop_serve, with_chat_template
+from tests.e2e.servers import metrics, start_serve, stop_serve, with_chat_template
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -162,18 +162,6 @@ def _chat(offline, messages, max_tokens: int = 12) -> str:
     return offline.chat(messages, params, use_tqdm=False)[0].outputs[0].text
 
 
-def _metrics(server: str) -> dict[str, float]:
-    req = urllib.request.Request(server + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
-    with urllib.request.urlopen(req) as r:
-        text = r.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
-
-
 def test_the_page_is_served_without_the_key_and_loads_nothing_from_outside(server):
     with urllib.request.urlopen(server + "/") as r:
         assert r.status == 200 and r.headers["content-type"].startswith("text/html")
@@ -232,7 +220,7 @@ def test_stop_cuts_an_answer_short_and_the_server_answers_the_next(page, server,
     _set(driver, "system", "")
     _set(driver, "temperature", "0")
     _set(driver, "max-tokens", "2000")
-    before = _metrics(server)
+    before = metrics(server, KEY)
     box = driver.find_element(By.ID, "input")
     box.send_keys("Tell me a story", Keys.ENTER)
     WebDriverWait(driver, 10, poll_frequency=0.02).until(
@@ -247,7 +235,7 @@ def test_stop_cuts_an_answer_short_and_the_server_answers_the_next(page, server,
     assert driver.find_element(By.ID, "send").is_enabled()
 
     deadline = time.time() + 10
-    while (m := _metrics(server))["ember_num_requests_running"] and time.time() < deadline:
+    while (m := metrics(server, KEY))["ember_num_requests_running"] and time.time() < deadline:
         time.sleep(0.1)
     assert m["ember_num_requests_running"] == 0 and m["ember_kv_blocks_used"] == 0
     assert m["ember_requests_aborted_total"] == before["ember_requests_aborted_total"] + 1

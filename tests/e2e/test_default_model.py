@@ -219,7 +219,7 @@ def test_the_gemma_fallback_is_served_with_gemma3s_chat_template(monkeypatch, tm
     from ember.cli import build_parser, served_chat_template
 
     gemma = str(tmp_path / "gemma-3-270m-q4_k_m.gguf")
-    monkeypatch.setattr(cli, "gemma3_270m", lambda: gemma)
+    monkeypatch.setattr(cli, "gemma3_270m_path", lambda: gemma)
     args = build_parser().parse_args(["serve"])
     assert served_chat_template(args, gemma) == checkpoints.GEMMA3_CHAT_TEMPLATE
     assert served_chat_template(args, str(tmp_path / checkpoints.DEFAULT_FILE)) is None

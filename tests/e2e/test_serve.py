@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from ember import LLM, LoRARequest, SamplingParams
 from ember.runtime.engine import LLMEngine
 from tests.conftest import make_prompts
-from tests.e2e.servers import start_serve, stop_serve, with_chat_template
+from tests.e2e.servers import metrics, start_serve, stop_serve, with_chat_template
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -206,18 +206,6 @@ def test_async_engine_concurrent_requests_and_abort_free_blocks(model_dir, offli
         engine.shutdown()
 
 
-def _metrics(server: str) -> dict[str, float]:
-    req = urllib.request.Request(server + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
-    with urllib.request.urlopen(req) as r:
-        text = r.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
-
-
 def test_64_concurrent_streams_with_disconnects(server, offline):
     """64 streaming clients at once, every fourth hanging up after its first chunk: each
     completed stream equals its offline greedy output, /health answers throughout, and once
@@ -267,7 +255,7 @@ def test_64_concurrent_streams_with_disconnects(server, offline):
     assert health and set(health) == {200}
     deadline = time.time() + 15
     while time.time() < deadline:
-        m = _metrics(server)
+        m = metrics(server, KEY)
         if m["ember_kv_blocks_used"] == 0 and m["ember_num_requests_running"] == 0:
             break
         time.sleep(0.2)
