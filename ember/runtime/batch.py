@@ -59,6 +59,9 @@ class ScheduledRequest:
     pool: bool = False
     controls: LogitsControls | None = None  # the request's logits controls, if any
     grammar: GrammarState | None = None  # structured outputs: the request's matcher
+    # Speculative decoding: the draft tokens at the end of `token_ids` (after the request's
+    # last real token), verified this step.
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:
@@ -127,10 +130,12 @@ class ForwardBatch:
 
     input_ids [num_tokens], positions [num_tokens], logits_indices [num_seqs + extra] (the
     last token of each sequence; padding sequences point at row 0 and are dropped; then the
-    rows of `prompt_rows`), lora_slots [num_tokens] (the adapter slot of each token, -1 for
-    none; None without LoRA). `prompt_rows`: (request index, first prompt position predicted,
-    count) per request with `prompt_logprobs` whose prompt tokens this step computes: logits
-    rows `num_seqs + ...` predict those prompt tokens, in order.
+    rows of `spec_rows`, then those of `prompt_rows`), lora_slots [num_tokens] (the adapter
+    slot of each token, -1 for none; None without LoRA). `spec_rows`: (request index, k) per request verifying k draft
+    tokens: logits rows `num_seqs + ...` predict its draft tokens, in order. `prompt_rows`:
+    (request index, first prompt position predicted, count) per request with
+    `prompt_logprobs` whose prompt tokens this step computes: the last logits rows predict
+    those prompt tokens, in order.
     """
 
     input_ids: torch.Tensor
@@ -139,6 +144,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     lora_slots: torch.Tensor | None = None
     prompt_rows: tuple[tuple[int, int, int], ...] = ()
+    spec_rows: tuple[tuple[int, int], ...] = ()
 
 
 def build_forward_batch(
@@ -206,6 +212,14 @@ def build_forward_batch(
     ends = list(itertools.accumulate(num_new))
     indices = [np.zeros(num_seqs_padded, dtype=np.int64)]
     indices[0][: len(reqs)] = [e - 1 for e in ends]
+    # Speculative decoding: the rows of a request's last real token and all of its draft
+    # tokens but the last predict its draft tokens (the last one's row is the sampling row).
+    spec_rows = []
+    for i, r in enumerate(reqs):
+        k = len(r.spec_token_ids)
+        if k:
+            indices.append(np.arange(ends[i] - k - 1, ends[i] - 1, dtype=np.int64))
+            spec_rows.append((i, k))
     # Prompt logprobs: the logits of every computed prompt token but the last predict the
     # next prompt token (the last one's row is the sampling row above).
     prompt_rows = []
@@ -217,7 +231,7 @@ def build_forward_batch(
             first = ends[i] - r.num_new_tokens
             indices.append(np.arange(first, first + count, dtype=np.int64))
             prompt_rows.append((i, r.num_computed_tokens + 1, count))
-    logits_indices = torch.from_numpy(np.concatenate(indices) if prompt_rows else indices[0])
+    logits_indices = torch.from_numpy(np.concatenate(indices) if len(indices) > 1 else indices[0])
     return ForwardBatch(
         torch.from_numpy(input_ids),
         positions,
@@ -225,6 +239,7 @@ def build_forward_batch(
         logits_indices,
         lora_slots,
         tuple(prompt_rows),
+        tuple(spec_rows),
     )
 
 
@@ -277,6 +292,10 @@ class RunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     # Requests with prompt_logprobs: (first prompt position, logprobs of each position on).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Speculative decoding: the draft tokens each request kept, which come before its
+    # `sampled` token, and the logprobs of all of them in order (when it asked for logprobs).
+    accepted: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
 
 
 class DecodeBuffers:

@@ -133,7 +133,9 @@ class BlockManager:
     def _cache_full_blocks(
         self, request_id: str, token_ids: list[int], num_tokens: int, extra: bytes
     ) -> None:
-        num_full = num_tokens // self.block_size
+        # Positions past `token_ids` (a decode's draft tokens) hold no token of the sequence
+        # yet: their blocks are not hashed.
+        num_full = min(num_tokens, len(token_ids)) // self.block_size
         start = self._req_num_hashed.get(request_id, 0)
         if num_full <= start:
             return
@@ -181,6 +183,21 @@ class BlockManager:
         self._req_num_hashed.pop(request_id, None)
         if not keep_hashes:
             self._req_hashes.pop(request_id, None)
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Release the request's blocks past its first `num_tokens` tokens (those of rejected
+        draft tokens, which are never hashed), to the front of the free list."""
+        blocks = self._req_blocks.get(request_id)
+        keep = -(-num_tokens // self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return
+        for b in reversed(blocks[keep:]):
+            assert self._block_hash[b] is None, "a trimmed block holds a prefix-cache entry"
+            self._ref_counts[b] -= 1
+            if self._ref_counts[b] == 0:
+                self._free[b] = None
+                self._free.move_to_end(b, last=False)
+        del blocks[keep:]
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached hashes of free blocks (used blocks keep theirs). Those blocks now

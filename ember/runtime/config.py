@@ -36,6 +36,7 @@ from ember.host import (
     resolve_isa,
 )
 from ember.runtime.pooling import max_seq_length
+from ember.runtime.speculative import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -166,6 +167,15 @@ class EngineArgs:
         default=None,
         metadata=_help("hub revision (branch, tag or commit) when model is a hub id"),
     )
+    speculative_config: dict[str, Any] | str | None = field(
+        default=None,
+        metadata=_help(
+            'speculative decoding, as JSON (vLLM\'s keys): {"method": "ngram", '
+            '"num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} '
+            '(prompt lookup) or {"method": "draft_model", "model": PATH, '
+            '"num_speculative_tokens": k}'
+        ),
+    )
     generation_config: str = field(
         default="auto",
         metadata=_help(
@@ -255,6 +265,7 @@ class EngineArgs:
             )
         buckets = tuple(b for b in self.token_buckets if b <= self.max_num_batched_tokens)
         limit_mm = _limit_mm(self.limit_mm_per_prompt, spec)
+        speculative = SpeculativeConfig.parse(self.speculative_config)
         return EngineConfig(
             model=self.model,
             model_spec=spec,
@@ -282,6 +293,7 @@ class EngineArgs:
             load_format=self.load_format,
             generation_config=self.generation_config,
             limit_mm_per_prompt=limit_mm,
+            speculative_config=speculative,
         )
 
     @staticmethod
@@ -477,6 +489,7 @@ class EngineConfig:
     generation_config: str = "auto"
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     background_compile: bool = False
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _check_range("kv_cache_gib", self.kv_cache_gib, 1e-6, 1024)
@@ -547,6 +560,10 @@ class EngineConfig:
                     f"quantization={self.quantization!r} supports decoder-only LMs without "
                     "LoRA (enable_lora=False)"
                 )
+        if self.speculative_config is not None and self.task != "generate":
+            raise ValueError(
+                f"speculative_config needs a decoder-only LM; this model is {self.task}"
+            )
         if self.attention_backend not in BACKEND_NAMES[1:]:
             raise ValueError(
                 f"attention_backend must be one of {BACKEND_NAMES[1:]} once resolved, "

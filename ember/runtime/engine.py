@@ -37,6 +37,7 @@ from ember.runtime.outputs import (
 from ember.runtime.pooling import load_pooling_config
 from ember.runtime.request import Request, RequestOutputKind, RequestStatus, SamplingParams
 from ember.runtime.scheduler import Scheduler
+from ember.runtime.speculative import NgramProposer, Proposer, SpecState, SpeculativeConfig
 from ember.runtime.structured import GrammarCompiler
 
 logger = logging.getLogger("ember")
@@ -130,6 +131,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.max_model_len,
             config.max_loras if config.enable_lora else 0,
+            self._proposer(config.speculative_config),
         )
         self.lora: LoRAManager | None = None
         if loaded.lora is not None:
@@ -150,6 +152,14 @@ class LLMEngine:
         self._entered = threading.RLock()  # held by the thread inside the engine (_one_thread)
         # Outputs of other requests produced while `embed` ran the loop: the next step's.
         self._held: list[Any] = []
+
+    @staticmethod
+    def _proposer(spec: SpeculativeConfig | None) -> Proposer | None:
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        raise ValueError(f"speculative_config.method={spec.method!r} is not supported yet")
 
     @classmethod
     def from_config(cls, config: EngineConfig, show_progress: bool = True) -> LLMEngine:
@@ -362,6 +372,7 @@ class LLMEngine:
                 grammar=self._grammars().matcher(grammar, wait_for)
                 if grammar is not None
                 else None,
+                spec=SpecState() if self.scheduler.proposer is not None else None,
             )
             for i in range(params.n)
         ]

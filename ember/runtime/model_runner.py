@@ -8,6 +8,7 @@ of prefills and decodes; padding tokens write into the null block and are droppe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 from typing import Any
@@ -49,7 +50,7 @@ from ember.runtime.config import EngineConfig
 from ember.runtime.logits import apply_controls
 from ember.runtime.multimodal import ImageInputs, VisionGeometry
 from ember.runtime.pooling import PoolingConfig, pool
-from ember.runtime.sampler import non_finite_rows, prompt_logprobs, row_maxima, sample
+from ember.runtime.sampler import non_finite_rows, prompt_logprobs, row_maxima, sample, verify
 from ember.runtime.structured import apply_bitmask, fill_bitmasks
 
 
@@ -185,15 +186,19 @@ class ModelRunner:
         rows = [i for i, r in enumerate(generate.requests) if r.sample]
         if not rows:
             return RunnerOutput({}, {}, pooled, prompt_logprobs=prompt_lps)
-        # A view when every request samples (the usual case): a 262k-id vocabulary makes a
-        # 32-row copy of the logits cost milliseconds.
-        logits = logits[: len(rows)] if rows[-1] == len(rows) - 1 else logits[rows]
+        spans: list[tuple[int, tuple[int, ...]]] = []  # per sampling request: first row, drafts
+        if batch.spec_rows:
+            sampling, logits, spans = _spec_rows(logits, generate.requests, rows, batch)
+        else:
+            # A view when every request samples (the usual case): a 262k-id vocabulary makes a
+            # 32-row copy of the logits cost milliseconds.
+            logits = logits[: len(rows)] if rows[-1] == len(rows) - 1 else logits[rows]
+            sampling = [generate.requests[i] for i in rows]
         logits = logits.float()
-        sampling = [generate.requests[i] for i in rows]
         # Logprobs are of the model's own distribution: taken before the controls below, which
         # change the rows that have any in place.
         logp = {
-            r.request_id: torch.log_softmax(logits[i], dim=-1)
+            i: torch.log_softmax(logits[i], dim=-1)
             for i, r in enumerate(sampling)
             if r.params.logprobs is not None and (r.controls is not None or r.grammar is not None)
         }
@@ -203,33 +208,26 @@ class ModelRunner:
             [r.prompt_token_ids for r in sampling],
             [r.output_token_ids for r in sampling],
         )
-        constrained = [
-            i
-            for i, r in enumerate(sampling)
-            if r.grammar is not None and r.grammar.active and i not in failed
-        ]
-        if constrained:  # structured outputs: mask what each grammar disallows next
-            masks = fill_bitmasks([sampling[i].grammar for i in constrained])  # type: ignore[misc]
-            if constrained == list(range(len(constrained))):
-                apply_bitmask(logits[: len(constrained)], masks)
-            else:
-                for j, i in enumerate(constrained):
-                    apply_bitmask(logits[i : i + 1], masks[j : j + 1])
+        _apply_grammars(logits, sampling, spans, failed)
         # A request whose logits row is NaN/inf (or whose own logits processor failed) fails
         # alone; the others sample as usual.
-        errors = {sampling[i].request_id: error for i, error in failed.items()}
+        bad = dict(failed)
         maxima, argmax = row_maxima(logits)
         for i in set(non_finite_rows(logits, maxima)) - failed.keys():
             r = sampling[i]
-            errors[r.request_id] = (
+            bad[i] = (
                 f"the model's logits for request {r.request_id!r} contain NaN or inf at output "
                 f"token {len(r.output_token_ids)} (adapter: {r.lora_id}; after the request's "
                 "logits controls, if any); no token was sampled"
             )
+        errors = {sampling[i].request_id: error for i, error in sorted(bad.items())}
+        if spans:
+            return _verified(logits, sampling, spans, logp, argmax, errors, pooled, prompt_lps)
+        by_id = {sampling[i].request_id: v for i, v in logp.items()}
         if errors:
             good = [i for i, r in enumerate(sampling) if r.request_id not in errors]
             sampling, logits, argmax = [sampling[i] for i in good], logits[good], argmax[good]
-        tokens, logprobs = sample(logits, sampling, logp, argmax) if sampling else ([], {})
+        tokens, logprobs = sample(logits, sampling, by_id, argmax) if sampling else ([], {})
         sampled = {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
         return RunnerOutput(sampled, logprobs, pooled, errors, prompt_lps)
 
@@ -423,3 +421,100 @@ class ModelRunner:
         if cache_dir is not None and not hit:
             cache.mark_complete(cache_dir, parts, probed)
         return hit
+
+
+def _spec_rows(
+    logits: torch.Tensor,
+    requests: tuple[ScheduledRequest, ...],
+    rows: list[int],
+    batch: ForwardBatch,
+) -> tuple[list[ScheduledRequest], torch.Tensor, list[tuple[int, tuple[int, ...]]]]:
+    """The logits rows of a step that verifies draft tokens, in sampling order: for each
+    sampling request, the rows predicting its drafts, then its own row. Returns (each row's
+    request, as it would be at that row: its drafts before the row appended to its output;
+    the rows; per request, its first row and drafts)."""
+    num_prompt_rows = sum(count for _, _, count in batch.prompt_rows)
+    spec_start = batch.logits_indices.shape[0] - num_prompt_rows
+    spec_start -= sum(k for _, k in batch.spec_rows)
+    first_spec_row = {}
+    for i, k in batch.spec_rows:
+        first_spec_row[i] = spec_start
+        spec_start += k
+    order: list[int] = []
+    row_requests: list[ScheduledRequest] = []
+    spans: list[tuple[int, tuple[int, ...]]] = []
+    for i in rows:
+        r = requests[i]
+        drafts = r.spec_token_ids
+        spans.append((len(order), drafts))
+        if drafts:
+            order.extend(range(first_spec_row[i], first_spec_row[i] + len(drafts)))
+            output = list(r.output_token_ids)
+            for j in range(len(drafts)):
+                row_requests.append(
+                    dataclasses.replace(r, output_token_ids=output + list(drafts[:j]))
+                )
+            row_requests.append(dataclasses.replace(r, output_token_ids=output + list(drafts)))
+        else:
+            row_requests.append(r)
+        order.append(i)
+    return row_requests, logits[order], spans
+
+
+def _apply_grammars(
+    logits: torch.Tensor,
+    rows: list[ScheduledRequest],
+    spans: list[tuple[int, tuple[int, ...]]],
+    failed: dict[int, str],
+) -> None:
+    """Structured outputs: mask in place what each row's grammar disallows next. A request
+    verifying drafts gets, at each of its rows, the mask of its grammar advanced over the
+    drafts before that row (rows past a draft the grammar refuses are left unmasked: that
+    draft is masked at the row before, so no later row is used), then the grammar goes back."""
+    spec_first = {first: drafts for first, drafts in spans if drafts}
+    plain = [
+        i
+        for i, r in enumerate(rows)
+        if r.grammar is not None and r.grammar.active and i not in failed
+        and not any(f <= i <= f + len(d) for f, d in spec_first.items())
+    ]  # fmt: skip
+    if plain:
+        masks = fill_bitmasks([rows[i].grammar for i in plain])  # type: ignore[misc]
+        if plain == list(range(len(plain))):
+            apply_bitmask(logits[: len(plain)], masks)
+        else:
+            for j, i in enumerate(plain):
+                apply_bitmask(logits[i : i + 1], masks[j : j + 1])
+    for first, drafts in spec_first.items():
+        grammar = rows[first].grammar
+        if grammar is None or any(first + j in failed for j in range(len(drafts) + 1)):
+            continue
+        for j, mask in enumerate(grammar.masks_along(drafts)):
+            if mask is not None:
+                apply_bitmask(logits[first + j : first + j + 1], mask)
+
+
+def _verified(
+    logits: torch.Tensor,
+    rows: list[ScheduledRequest],
+    spans: list[tuple[int, tuple[int, ...]]],
+    logp: dict[int, torch.Tensor],
+    argmax: torch.Tensor,
+    errors: dict[str, str],
+    pooled: dict[str, list[float]],
+    prompt_lps: dict,
+) -> RunnerOutput:
+    """The output of a step that verified draft tokens (`sampler.verify`)."""
+    good = [(f, d) for f, d in spans if rows[f].request_id not in errors]
+    tokens, logprobs = verify(logits, rows, good, logp, argmax) if good else ([], [])
+    sampled, accepted, spec_logprobs = {}, {}, {}
+    for (first, drafts), emitted, lps in zip(good, tokens, logprobs, strict=True):
+        rid = rows[first].request_id
+        sampled[rid] = emitted[-1]
+        if drafts:
+            accepted[rid] = tuple(emitted[:-1])
+        if lps is not None:
+            spec_logprobs[rid] = lps
+    return RunnerOutput(
+        sampled, {}, pooled, errors, prompt_lps, accepted=accepted, spec_logprobs=spec_logprobs
+    )

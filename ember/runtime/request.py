@@ -16,6 +16,7 @@ from ember.runtime.structured import StructuredOutputsParams
 if TYPE_CHECKING:
     from ember.runtime.logits import LogitsControls
     from ember.runtime.multimodal import ImageInputs
+    from ember.runtime.speculative import SpecState
     from ember.runtime.structured import GrammarState
 
 
@@ -266,6 +267,7 @@ class Request:
     controls: LogitsControls | None = None  # the params' logits controls, resolved
     grammar: GrammarState | None = None  # structured outputs: this sequence's matcher
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    spec: SpecState | None = None  # speculative decoding: this request's proposal schedule
     all_token_ids: list[int] = field(init=False)
     cache_salt: bytes = field(init=False)
 

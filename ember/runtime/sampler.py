@@ -15,6 +15,7 @@ import torch
 
 from ember import kernels
 from ember.runtime.batch import ScheduledRequest, TokenLogprobs
+from ember.runtime.request import SamplingParams
 
 
 def apply_penalties(
@@ -155,36 +156,120 @@ def sample(
     request id -> the log-softmax of the model's own logits row, for rows that went through
     logits controls (logprobs are of the model's distribution); other rows' logprobs come
     from `logits`. `argmax`: each row's argmax, when the caller has them (`row_maxima`)."""
-    raw = x = logits.float()  # penalties below make new tensors: `raw` stays as it is
+    raw = logits.float()
+    x = _penalised(raw, requests)  # a new tensor if any: `raw` stays as it is
     params = [r.params for r in requests]
-    if any(
-        p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
-    ):
-        x = apply_penalties(
-            x,
-            [r.prompt_token_ids for r in requests],
-            [r.output_token_ids for r in requests],
-            torch.tensor([p.presence_penalty for p in params]),
-            torch.tensor([p.frequency_penalty for p in params]),
-            torch.tensor([p.repetition_penalty for p in params]),
-        )
     tokens = (argmax if argmax is not None and x is raw else x.argmax(dim=-1)).tolist()
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        sub = x[random_rows] / torch.tensor([params[i].temperature for i in random_rows])[:, None]
-        min_p = torch.tensor([params[i].min_p for i in random_rows])
-        if bool((min_p > 0).any()):
-            sub = apply_min_p(sub, min_p)
-        vocab = sub.shape[-1]
-        top_k = torch.tensor(
-            [params[i].top_k if params[i].top_k > 0 else vocab for i in random_rows]
-        )
-        top_p = torch.tensor([params[i].top_p for i in random_rows])
-        if bool((top_k < vocab).any() or (top_p < 1).any()):
-            sub = apply_top_k_top_p(sub, top_k, top_p)
-        probs = torch.softmax(sub, dim=-1)
+        probs = _probs(x[random_rows], [params[i] for i in random_rows])
         for row, i in enumerate(random_rows):
             generator = requests[i].generator
             assert generator is not None, "a sampling request carries its generator"
             tokens[i] = _draw(probs[row], generator)
     return tokens, _logprobs(raw, tokens, requests, logp or {})
+
+
+def _penalised(x: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+    """`x` (float32 rows of `requests`) with each row's penalties applied (a new tensor), or
+    `x` itself when no row has any."""
+    params = [r.params for r in requests]
+    if not any(
+        p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
+    ):
+        return x
+    return apply_penalties(
+        x,
+        [r.prompt_token_ids for r in requests],
+        [r.output_token_ids for r in requests],
+        torch.tensor([p.presence_penalty for p in params]),
+        torch.tensor([p.frequency_penalty for p in params]),
+        torch.tensor([p.repetition_penalty for p in params]),
+    )
+
+
+def _probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distributions sampled from: rows of penalised logits `x` under each row's
+    temperature, min-p, top-k and top-p."""
+    sub = x / torch.tensor([p.temperature for p in params])[:, None]
+    min_p = torch.tensor([p.min_p for p in params])
+    if bool((min_p > 0).any()):
+        sub = apply_min_p(sub, min_p)
+    vocab = sub.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+    top_p = torch.tensor([p.top_p for p in params])
+    if bool((top_k < vocab).any() or (top_p < 1).any()):
+        sub = apply_top_k_top_p(sub, top_k, top_p)
+    return torch.softmax(sub, dim=-1)
+
+
+def verify(
+    logits: torch.Tensor,
+    rows: Sequence[ScheduledRequest],
+    spans: Sequence[tuple[int, tuple[int, ...]]],
+    logp: dict[int, torch.Tensor] | None = None,
+    argmax: torch.Tensor | None = None,
+) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+    """Speculative decoding's sampler: the tokens each request emits this step.
+
+    `spans`: per request, (its first row, its draft tokens d_1..d_k); its k + 1 rows of
+    `logits [rows, vocab]` predict d_1 .. d_k and the token after d_k, and `rows[i]` is row i's
+    request with the output it would have there (its drafts before that row appended), so
+    penalties and controls see what a step of its own would. A request emits its drafts up to
+    the first one the target rejects, then one token of the target's own (the correction, or
+    after k kept drafts a bonus token).
+
+    Greedy rows keep d_j where it is the row's argmax. Sampled rows keep d_j with probability
+    p(d_j) under the row's distribution p, else draw from p with d_j removed (rejection
+    sampling against a point-mass draft), so each emitted token is distributed as p. A
+    request without drafts samples as `sample` would. `logp`: row -> the log-softmax of the
+    model's own row, for rows whose logits controls changed them (logprobs are the model's).
+    Returns (tokens, logprobs: one entry per emitted token, None without `logprobs`) per span.
+    """
+    raw = logits.float()
+    x = _penalised(raw, rows)
+    greedy = (argmax if argmax is not None and x is raw else x.argmax(dim=-1)).tolist()
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    prob_of: dict[int, torch.Tensor] = {}
+    if random_rows:
+        probs = _probs(x[random_rows], [rows[i].params for i in random_rows])
+        prob_of = dict(zip(random_rows, probs, strict=True))
+    tokens: list[list[int]] = []
+    for first, drafts in spans:
+        request = rows[first]
+        generator = request.generator
+        emitted: list[int] = []
+        for j in range(len(drafts) + 1):
+            draft = drafts[j] if j < len(drafts) else None
+            if request.params.greedy:
+                token = greedy[first + j]
+            else:
+                assert generator is not None, "a sampling request carries its generator"
+                p = prob_of[first + j]
+                if draft is None:
+                    token = _draw(p, generator)
+                elif float(torch.rand((), generator=generator)) < float(p[draft]):
+                    token = draft
+                else:
+                    residual = p.clone()
+                    residual[draft] = 0.0
+                    token = _draw(residual, generator)
+            emitted.append(token)
+            if token != draft:
+                break
+        tokens.append(emitted)
+    logprobs: list[list[TokenLogprobs] | None] = []
+    given = logp or {}
+    for (first, _), emitted in zip(spans, tokens, strict=True):
+        n = rows[first].params.logprobs
+        if n is None:
+            logprobs.append(None)
+            continue
+        entries = []
+        for j, token in enumerate(emitted):
+            row = given.get(first + j)
+            if row is None:
+                row = torch.log_softmax(raw[first + j], dim=-1)
+            entries.append(token_logprobs(row, token, n))
+        logprobs.append(entries)
+    return tokens, logprobs

@@ -26,6 +26,7 @@ from ember.runtime.batch import RunnerOutput, ScheduledRequest, StepPlan, TokenL
 from ember.runtime.block_manager import BlockManager
 from ember.runtime.outputs import Logprob, find_stop_string
 from ember.runtime.request import Request, RequestStatus
+from ember.runtime.speculative import Proposer
 
 
 def cross_key(request_id: str) -> str:
@@ -43,8 +44,16 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         max_loras: int = 0,
+        proposer: Proposer | None = None,
     ) -> None:
         self.block_manager = block_manager
+        # Speculative decoding: proposes draft tokens for decoding requests at schedule time
+        # (drafts live only in the plan, so preemption and rollback have nothing to undo).
+        self.proposer = proposer
+        self.num_drafts = 0  # steps of a request that carried draft tokens
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.spec_plan: dict[str, tuple[int, ...]] = {}  # this step's drafts, by request
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -103,6 +112,7 @@ class Scheduler:
         loras: set[int] = set()  # distinct adapters in this step: at most max_loras
         # Decodes before prefill chunks; stable, so admission order holds within each group.
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        drafts = self._propose(order)
         for request in order:
             if budget == 0:
                 break
@@ -111,6 +121,16 @@ class Scheduler:
             if not self._lora_fits(request, loras):
                 continue  # waits for a step with a free adapter slot
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            draft = drafts.get(request.request_id, ())[: budget - num_new]
+            if draft and self._allocate_draft(request, len(draft)):
+                num_new += len(draft)
+                self.spec_plan[request.request_id] = draft
+                scheduled.append((request, num_new))
+                done.add(request.request_id)
+                budget -= num_new
+                if request.lora_id is not None:
+                    loras.add(request.lora_id)
+                continue
             if self._allocate_or_preempt(request, num_new, done, preempted):
                 scheduled.append((request, num_new))
                 done.add(request.request_id)
@@ -125,6 +145,38 @@ class Scheduler:
             tuple(self._scheduled(r, n, i >= num_running) for i, (r, n) in enumerate(scheduled)),
             tuple(preempted),
         )
+
+    def _propose(self, order: list[Request]) -> dict[str, tuple[int, ...]]:
+        """Draft tokens for the decoding requests of this step (none without a proposer).
+
+        A request proposes at most as many tokens as its `max_tokens` and `max_model_len`
+        leave room for after the target's own token, and none while it backs off
+        (`SpecState`)."""
+        self.spec_plan = {}
+        if self.proposer is None:
+            return {}
+        wanted: list[tuple[Request, int]] = []
+        for r in order:
+            if r.num_tokens - r.num_computed_tokens != 1 or r.pool or r.spec is None:
+                continue
+            room = min(
+                r.max_tokens - len(r.output_token_ids) - 1,
+                self.max_model_len - r.num_tokens - 1,
+                self.proposer.num_speculative_tokens,
+            )
+            if room > 0 and r.spec.wants_draft():
+                wanted.append((r, room))
+        return self.proposer.propose(wanted) if wanted else {}
+
+    def _allocate_draft(self, request: Request, num_draft: int) -> bool:
+        """Blocks for a decode with `num_draft` draft tokens, if free ones are there (drafts
+        never preempt anyone: without room the request decodes one token). Draft positions
+        are never hashed: only the request's real tokens enter the prefix cache."""
+        total = request.num_computed_tokens + 1 + num_draft
+        allocated = self.block_manager.allocate(
+            request.request_id, request.all_token_ids, total, extra=request.cache_salt
+        )
+        return allocated is not None
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, done: set[str], preempted: list[str]
@@ -235,13 +287,15 @@ class Scheduler:
                 images=request.images,
                 encode_images=admitted and request.images is not None,
             )
-        ends = start + num_new == request.num_tokens
+        draft = self.spec_plan.get(request.request_id, ())
+        ends = start + num_new - len(draft) == request.num_tokens
         # Views of the request's own lists, not copies: a step must not cost time that grows
         # with the sequence (the scheduler changes them only in `update`, after the step).
         return ScheduledRequest(
             request_id=request.request_id,
             num_computed_tokens=start,
-            token_ids=tuple(request.all_token_ids[start : start + num_new]),
+            token_ids=tuple(request.all_token_ids[start : start + num_new - len(draft)]) + draft,
+            spec_token_ids=draft,
             block_ids=self.block_manager.block_ids(request.request_id),
             sample=ends and not request.pool,
             params=request.params,
@@ -267,7 +321,16 @@ class Scheduler:
         finished: list[Request] = []
         for item in plan.requests:
             request = self.requests[item.request_id]
-            request.num_computed_tokens += item.num_new_tokens
+            accepted = output.accepted.get(item.request_id, ())
+            # Rejected draft tokens' K/V are not the sequence's: positions past the accepted
+            # ones are computed again (overwritten) by later steps.
+            rejected = len(item.spec_token_ids) - len(accepted)
+            request.num_computed_tokens += item.num_new_tokens - rejected
+            if item.spec_token_ids and request.spec is not None:
+                request.spec.record(len(item.spec_token_ids), len(accepted))
+                self.num_drafts += 1
+                self.num_draft_tokens += len(item.spec_token_ids)
+                self.num_accepted_tokens += len(accepted)
             error = output.errors.get(item.request_id)
             if error is not None:
                 status: RequestStatus | None = RequestStatus.FINISHED_ERROR
@@ -281,12 +344,25 @@ class Scheduler:
                 token = output.sampled.get(item.request_id)
                 if token is None:
                     continue
-                request.append_output_token(token)
-                try:
-                    status = self._process_token(request, token, output)
-                except Exception as e:  # noqa: BLE001  (this request's tokenizer, not the step's)
-                    status = RequestStatus.FINISHED_ERROR
-                    error = f"processing output token {token}: {type(e).__name__}: {e}"
+                tokens = [*accepted, token]
+                lps = output.spec_logprobs.get(item.request_id)
+                if lps is None:
+                    lps = [None] * len(accepted) + [output.logprobs.get(item.request_id)]
+                # Accepted draft tokens, then the target's own: each checked for stops as if it
+                # came from a step of its own; tokens after a stop are dropped.
+                status = None
+                for t, lp in zip(tokens, lps, strict=True):
+                    request.append_output_token(t)
+                    try:
+                        status = self._process_token(request, t, lp)
+                    except Exception as e:  # noqa: BLE001  (this request's tokenizer)
+                        status = RequestStatus.FINISHED_ERROR
+                        error = f"processing output token {t}: {type(e).__name__}: {e}"
+                    if status is not None:
+                        break
+                if rejected and status is None:
+                    # Blocks that held only rejected positions go back to the pool.
+                    self.block_manager.trim(request.request_id, request.num_tokens)
             updated.append(request)
             if status is not None:
                 self.finish_request(request.request_id, status, error)
@@ -294,11 +370,10 @@ class Scheduler:
         return updated, finished
 
     def _process_token(
-        self, request: Request, token: int, output: RunnerOutput
+        self, request: Request, token: int, logprobs: TokenLogprobs | None
     ) -> RequestStatus | None:
         """Logprobs, stop checks and detokenization of a newly appended token; the status it
         finishes the request with, if any."""
-        logprobs = output.logprobs.get(request.request_id)
         if logprobs is not None:
             self._append_logprobs(request, logprobs)
         if request.grammar is not None and not request.grammar.accept(token):

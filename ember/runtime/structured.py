@@ -158,6 +158,34 @@ class GrammarState:
             return True
         return bool(self.matcher.accept_token(token))
 
+    def masks_along(self, tokens: tuple[int, ...]) -> list[torch.Tensor | None]:
+        """Speculative decoding: the next-token bitmask ([1, words]) after each prefix of
+        `tokens` (the empty one first), None where the grammar is dormant there; the list stops
+        after the first token the grammar refuses (its mask refuses it). The state is left as
+        it was."""
+        active, tail = self.active, self._tail
+        masks: list[torch.Tensor | None] = []
+        advanced = 0  # tokens the matcher took, to roll back
+        try:
+            for j in range(len(tokens) + 1):
+                if self.active:
+                    mask = torch.empty(1, self.words, dtype=torch.int32)
+                    self.matcher.fill_next_token_bitmask(mask, 0)
+                    masks.append(mask)
+                else:
+                    masks.append(None)
+                if j == len(tokens):
+                    break
+                was_active = self.active
+                if not self.accept(tokens[j]):
+                    break
+                advanced += was_active
+        finally:
+            if advanced:
+                self.matcher.rollback(advanced)
+            self.active, self._tail = active, tail
+        return masks
+
     @property
     def terminated(self) -> bool:
         return self.active and bool(self.matcher.is_terminated())

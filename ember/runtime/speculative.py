@@ -1,0 +1,203 @@
+"""Speculative decoding, vLLM's `speculative_config`: a proposer guesses each decoding request's
+next k tokens, the target model scores them as one (k+1)-token chunk of the ordinary mixed step,
+and the sampler keeps the longest prefix the target agrees with, plus one token of its own.
+
+A batch-1 decode step reads every weight to make one token; a chunk of k+1 tokens reads them
+once too, so every accepted draft token is a token below the bandwidth floor.
+
+Methods:
+- `ngram` (prompt lookup): the continuation of the longest n-gram (between `prompt_lookup_min`
+  and `prompt_lookup_max` tokens) that ends the request's tokens and also occurs earlier in
+  them (prompt and output), its most recent occurrence; host-side, no model.
+- `draft_model`: a smaller model with the same vocabulary, run by the same machinery (its own
+  compiled graphs and paged KV cache; `ember.runtime.draft`), proposing k tokens greedily.
+
+Exactness: greedy requests keep a draft token only where it equals the target's argmax, so
+their output is the non-speculative output token for token. Sampled requests use rejection
+sampling with a point-mass proposal (both proposers are deterministic): draft d is kept with
+probability p(d) under the target's processed distribution p (temperature, top-k/p, min-p,
+penalties and controls at that position), else a token is drawn from p with d removed; the
+emitted token is then distributed exactly as p (Leviathan et al. 2023, Chen et al. 2023).
+
+How many tokens to propose (`SpecState`): every request starts at `num_speculative_tokens`.
+A step whose drafts were all rejected doubles the number of decode steps the request then skips
+proposing (1, 2, 4 ... up to 16), so a request with nothing to copy soon runs plain one-token
+decodes (its static graph) and only probes now and then; an accepted token resets that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 64
+# Longest run of plain decode steps a request skips proposing after rejected drafts.
+MAX_BACKOFF_STEPS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """The checked `speculative_config` (vLLM's keys and defaults: without `prompt_lookup_*`
+    ngram matches exactly 5 tokens; with one of them, both are that value)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+    model: str | None = None
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """A config from a dict, a JSON string (the CLI's `--speculative-config`), an instance
+        or None. Raises ValueError naming the field for anything wrong."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown keys {unknown}; known: {sorted(known)}"
+            )
+        method, model = value.get("method"), value.get("model")
+        if method is None:  # vLLM infers it from the model: "[ngram]" or a draft checkpoint
+            method = "ngram" if model in ("ngram", "[ngram]") else "draft_model"
+        if method == "[ngram]":
+            method = "ngram"
+        if method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {METHODS}, got {method!r}")
+        k = value.get("num_speculative_tokens")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                "speculative_config.num_speculative_tokens must be an integer in "
+                f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+            )
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if method == "ngram":
+            if model not in (None, "ngram", "[ngram]"):
+                raise ValueError(f"speculative_config.model={model!r}: method ngram takes no model")
+            model = None
+            if lo is None and hi is None:
+                lo = hi = 5
+            lo = hi if lo is None else lo
+            hi = lo if hi is None else hi
+            for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1024:
+                    raise ValueError(
+                        f"speculative_config.{name} must be an integer in [1, 1024], got {n!r}"
+                    )
+            if lo > hi:
+                raise ValueError(
+                    f"speculative_config.prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}"
+                )
+        else:
+            if not isinstance(model, str) or not model:
+                raise ValueError(
+                    "speculative_config.model must name the draft model (a checkpoint "
+                    f"directory or GGUF file) for method draft_model, got {model!r}"
+                )
+            if lo is not None or hi is not None:
+                raise ValueError(
+                    "speculative_config.prompt_lookup_min/max apply to method ngram only"
+                )
+            lo = hi = 5
+        return cls(method, k, hi, lo, model)
+
+
+def ngram_propose(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> np.ndarray:
+    """Up to `k` tokens that followed the most recent earlier occurrence of the longest suffix
+    of `tokens` (int64) of at least `n_min` and at most `n_max` tokens; empty if none occurs.
+
+    Vectorised: the positions holding the last token are the candidates, and each extra suffix
+    token keeps the candidates that match it too, so a 4,000-token sequence costs a few
+    passes over small arrays (tens of microseconds), not a Python loop over n-grams.
+    """
+    num = len(tokens)
+    if num < 2 or k < 1:
+        return tokens[:0]
+    # An occurrence must end before the last token and have at least one token after it.
+    cands = np.flatnonzero(tokens[: num - 1] == tokens[num - 1])
+    if cands.size == 0:
+        return tokens[:0]
+    length = 1  # every candidate matches the last `length` tokens of the suffix
+    best = cands if n_min <= 1 else cands[:0]
+    while length < n_max:
+        cands = cands[cands >= length]  # room for one more token before the match
+        if cands.size == 0:
+            break
+        cands = cands[tokens[cands - length] == tokens[num - 1 - length]]
+        if cands.size == 0:
+            break
+        length += 1
+        if length >= n_min:
+            best = cands
+    if best.size == 0:
+        return tokens[:0]
+    start = int(best[-1]) + 1
+    return tokens[start : start + k]
+
+
+@dataclass
+class SpecState:
+    """One request's proposal schedule (see the module docstring): `skip` plain decode steps
+    left before the next proposal, `backoff` the next skip length after a full rejection;
+    `proposed` / `accepted` count draft tokens over the request's life."""
+
+    skip: int = 0
+    backoff: int = 1
+    proposed: int = 0
+    accepted: int = 0
+
+    def wants_draft(self) -> bool:
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        if accepted:
+            self.backoff = 1
+        elif proposed:
+            self.skip = self.backoff
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF_STEPS)
+
+
+class Proposer:
+    """Proposes draft tokens for a step's decoding requests (`Scheduler._propose`)."""
+
+    num_speculative_tokens: int
+
+    def propose(self, wanted: list[tuple[Any, int]]) -> dict[str, tuple[int, ...]]:
+        """request id -> up to `room` draft tokens, for each `(Request, room)` of `wanted`
+        (requests with nothing to propose may be left out)."""
+        raise NotImplementedError
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup (`ngram_propose`) over each request's own tokens."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, wanted: list[tuple[Any, int]]) -> dict[str, tuple[int, ...]]:
+        drafts = {}
+        for request, room in wanted:
+            tokens = np.asarray(request.all_token_ids, dtype=np.int64)
+            draft = ngram_propose(tokens, self.n_min, self.n_max, room)
+            if draft.size:
+                drafts[request.request_id] = tuple(draft.tolist())
+        return drafts

@@ -1,0 +1,228 @@
+"""Speculative decoding end to end on tiny seeded checkpoints, each against the same engine
+without speculation (itself tested against HF transformers): greedy outputs token for token
+(batch 1, mixed batches with chunked prefill, preemption, LoRA, structured outputs, stop rules,
+logprobs, penalties, n > 1), compiled graphs with no recompile, the sampled distribution
+(a two-sample chi-square test), and no leaked KV blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from ember import LLM, SamplingParams, StructuredOutputsParams
+from ember.lora.adapter import LoRARequest
+from tests.conftest import gib_for_blocks, make_prompts
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}  # fmt: skip
+
+
+def _llm(d: str, spec: dict | None = NGRAM, **kw) -> LLM:
+    kw = {"compile": False, "dtype": "float32", "kv_cache_gib": 0.02, "max_model_len": 256} | kw
+    return LLM(model=d, speculative_config=spec, **kw)
+
+
+def repetitive_prompts(num: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat their own phrases, so n-grams of the output recur in them."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(num):
+        phrase = rng.integers(3, 500, size=int(rng.integers(3, 9))).tolist()
+        noise = rng.integers(3, 500, size=int(rng.integers(0, 6))).tolist()
+        prompts.append(noise + phrase * int(rng.integers(2, 6)))
+    return prompts
+
+
+def _same(a, b, logprobs: bool = False) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.error is None and y.error is None, (x.error, y.error)
+        assert len(x.outputs) == len(y.outputs)
+        for cx, cy in zip(x.outputs, y.outputs, strict=True):
+            assert cx.token_ids == cy.token_ids
+            assert (cx.text, cx.finish_reason, cx.stop_reason) == (
+                cy.text,
+                cy.finish_reason,
+                cy.stop_reason,
+            )
+            if logprobs:
+                assert len(cx.logprobs) == len(cy.logprobs) == len(cx.token_ids)
+                for ex, ey in zip(cx.logprobs, cy.logprobs, strict=True):
+                    assert list(ex) == list(ey)  # the same ids, in the same order
+                    for t in ex:
+                        assert ex[t].logprob == pytest.approx(ey[t].logprob, abs=1e-4)
+                        assert ex[t].rank == ey[t].rank
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint_dir):
+    d = checkpoint_dir("tiny-llama")
+    return d, _llm(d, None), _llm(d)
+
+
+def _stats(llm: LLM) -> tuple[int, int]:
+    s = llm.llm_engine.scheduler
+    return s.num_draft_tokens, s.num_accepted_tokens
+
+
+def test_greedy_batch_one_equals_plain_decoding(engines):
+    _, base, spec = engines
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=3)
+    before = _stats(spec)
+    for prompt in repetitive_prompts(4):
+        _same(base.generate([prompt], params), spec.generate([prompt], params), logprobs=True)
+    proposed, accepted = (a - b for a, b in zip(_stats(spec), before, strict=True))
+    assert accepted > 0 and proposed > accepted  # drafts were kept and rejected
+    assert spec.llm_engine.num_free_blocks() == spec.llm_engine.block_manager.num_usable_blocks
+
+
+def test_greedy_mixed_batches_chunked_prefill_and_request_rules(engines, checkpoint_dir):
+    d, base, _ = engines
+    prompts = repetitive_prompts(12, seed=1) + make_prompts(4, seed=2)
+    # Small steps: drafts ride beside prefill chunks of other requests.
+    spec = _llm(d, max_num_batched_tokens=24, max_num_seqs=6, block_size=4)
+    base = _llm(d, None, max_num_batched_tokens=24, max_num_seqs=6, block_size=4)
+    tok = base.get_tokenizer()
+    text = tok.decode(prompts[0][-6:])
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=33, temperature=0.0, min_tokens=10, stop_token_ids=[7, 9]),
+        SamplingParams(max_tokens=40, temperature=0.0, stop=[text[-3:]], logprobs=1),
+        SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.3,
+                       frequency_penalty=0.5, presence_penalty=0.2),
+        SamplingParams(max_tokens=30, temperature=0.0, n=2, logit_bias={11: 3.0}),
+        SamplingParams(max_tokens=25, temperature=0.0, bad_words=[tok.decode([prompts[0][-1]])]),
+    ]  # fmt: skip
+    per = [params[i % len(params)] for i in range(len(prompts))]
+    _same(base.generate(prompts, per), spec.generate(prompts, per))
+    proposed, accepted = _stats(spec)
+    assert accepted > 0 and proposed > accepted
+    engine = spec.llm_engine
+    engine.block_manager.assert_invariants()
+    assert engine.num_free_blocks() == engine.block_manager.num_usable_blocks
+
+
+def test_greedy_under_preemption(checkpoint_dir):
+    d = checkpoint_dir("tiny-llama")
+    gib = gib_for_blocks(d, 24, 4)
+    prompts = repetitive_prompts(8, seed=3)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    base = _llm(d, None, kv_cache_gib=gib, block_size=4, max_model_len=80)
+    spec = _llm(d, kv_cache_gib=gib, block_size=4, max_model_len=80)
+    _same(base.generate(prompts, params), spec.generate(prompts, params))
+    assert spec.llm_engine.scheduler.num_preemptions > 0
+    assert _stats(spec)[1] > 0
+    spec.llm_engine.block_manager.assert_invariants()
+
+
+def test_greedy_with_lora_adapters(checkpoint_dir, tmp_path):
+    from tests.lora.test_lora_e2e import make_adapter
+
+    d = checkpoint_dir("tiny-llama")
+    lora = LoRARequest("qv", 1, make_adapter(d, str(tmp_path / "qv"), 1, 8, ["q_proj", "v_proj"]))
+    prompts = repetitive_prompts(4, seed=4)
+    loras = [lora, None, lora, None]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    kw = dict(enable_lora=True, max_lora_rank=8, block_size=4)
+    base, spec = _llm(d, None, **kw), _llm(d, **kw)
+    _same(
+        base.generate(prompts, params, lora_request=loras),
+        spec.generate(prompts, params, lora_request=loras),
+    )
+    assert _stats(spec)[1] > 0
+
+
+def test_greedy_with_structured_outputs(engines):
+    pytest.importorskip("xgrammar")
+    _, base, spec = engines
+    # A regex whose repeated part the n-gram proposer can copy from the output.
+    so = StructuredOutputsParams(regex=r"(ab|cd)(ab|cd)(ab|cd)(ab|cd)x[0-9]{3}")
+    plain = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=so), plain] * 3
+    prompts = repetitive_prompts(6, seed=5)
+    before = _stats(spec)
+    _same(base.generate(prompts, params), spec.generate(prompts, params))
+    assert _stats(spec)[0] > before[0]
+
+
+class _Proposes:
+    """Proposes the same draft tokens at every decode step (as much of them as fits)."""
+
+    def __init__(self, draft: tuple[int, ...]) -> None:
+        self.num_speculative_tokens = len(draft)
+        self.draft = draft
+
+    def propose(self, wanted):
+        return {r.request_id: self.draft[:room] for r, room in wanted}
+
+
+def test_sampling_matches_the_targets_distribution(checkpoint_dir):
+    """Many seeded samples of the 2nd and 3rd output tokens, with and without speculation: a
+    two-sample chi-square test per position. Every request's first decode verifies two drafts:
+    the tokens the plain engine sampled most often at those positions, so drafts are both kept
+    and rejected often (a random model's outputs rarely repeat its prompt for n-grams to hit)."""
+    d = checkpoint_dir("tiny-llama")
+    prompt = [5, 6, 7, 8, 9] * 6
+    trials = 3000
+    kw = dict(max_num_seqs=128, max_model_len=64, kv_cache_gib=0.05)
+    params = [
+        SamplingParams(max_tokens=4, temperature=0.3, ignore_eos=True, seed=s)
+        for s in range(trials)
+    ]
+    outs = _llm(d, None, **kw).generate([prompt] * trials, params, use_tqdm=False)
+    base = np.array([o.outputs[0].token_ids for o in outs])
+    draft = tuple(int(np.bincount(base[:, pos]).argmax()) for pos in (1, 2))
+    spec = _llm(d, **kw)
+    spec.llm_engine.scheduler.proposer = _Proposes(draft)
+    # Other seeds: the two runs are independent samples.
+    params = [dataclasses.replace(p, seed=trials + p.seed) for p in params]
+    outs = spec.generate([prompt] * trials, params, use_tqdm=False)
+    ours = np.array([o.outputs[0].token_ids for o in outs])
+    proposed, accepted = _stats(spec)
+    assert proposed >= 2 * trials and trials // 10 < accepted < proposed - trials // 10
+    for pos in (1, 2):
+        a, b = base[:, pos], ours[:, pos]
+        tokens, counts = np.unique(np.concatenate([a, b]), return_counts=True)
+        common = tokens[counts >= 10]  # rarer tokens pooled into one bin
+        table = np.array(
+            [[np.sum(x == t) for t in common] + [np.sum(~np.isin(x, common))] for x in (a, b)]
+        )
+        table = table[:, table.sum(0) > 0]
+        expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+        assert chisquare_pvalue_2d(table, expected) > 1e-3, (pos, table)
+
+
+def chisquare_pvalue_2d(table: np.ndarray, expected: np.ndarray) -> float:
+    stat = float(((table - expected) ** 2 / expected).sum())
+    dof = (table.shape[0] - 1) * (table.shape[1] - 1)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+
+
+def test_compiled_steps_verify_drafts_without_recompiling(checkpoint_dir):
+    d = checkpoint_dir("tiny-llama")
+    prompts = repetitive_prompts(6, seed=6)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    expected = _llm(d, None).generate(prompts, params)
+    spec = _llm(d, compile=True, max_num_batched_tokens=64)
+    runner = spec.llm_engine.runner
+    compiled = runner.graphs_compiled
+    with torch.compiler.set_stance("fail_on_recompile"):
+        _same(expected, spec.generate(prompts, params))
+        _same(expected[:1], spec.generate(prompts[:1], params))  # batch 1
+    assert runner.graphs_compiled == compiled
+    assert _stats(spec)[1] > 0
+
+
+def test_bad_configs_are_value_errors_naming_the_field(checkpoint_dir):
+    d = checkpoint_dir("tiny-llama")
+    for spec, field in [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": -1},
+         "prompt_lookup_min"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            _llm(d, spec)
