@@ -131,9 +131,10 @@ class ForwardBatch:
     input_ids [num_tokens], positions [num_tokens], logits_indices [num_seqs + extra] (the
     last token of each sequence; padding sequences point at row 0 and are dropped; then the
     rows of `spec_rows`, then those of `prompt_rows`), lora_slots [num_tokens] (the adapter
-    slot of each token, -1 for none; None without LoRA). `spec_rows`: (request index, k) per request verifying k draft
-    tokens: logits rows `num_seqs + ...` predict its draft tokens, in order. `prompt_rows`:
-    (request index, first prompt position predicted, count) per request with
+    slot of each token, -1 for none; None without LoRA). `spec_rows`: (request index, k) per
+    request verifying k draft tokens: logits rows `num_seqs + ...` predict its draft tokens,
+    in order. `prompt_rows`: (request index, first prompt position predicted, count) per
+    request with
     `prompt_logprobs` whose prompt tokens this step computes: the last logits rows predict
     those prompt tokens, in order.
     """
