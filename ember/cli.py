@@ -199,6 +199,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         code = f"import sys; sys.path[0] = {root!r}; from ember.cli import main; sys.exit(main())"
         os.execve(sys.executable, [sys.executable, "-c", code, *sys.argv[1:]], env)
+    if args.workload == "spec":
+        return _bench_spec(args)
     model_dir = args.model or bench.bench_checkpoint(args.shape, args.dtype, args.checkpoint_dtype)
     workload = bench.WORKLOADS[args.workload]
     cache_dir = None if args.no_cache else "auto"
@@ -244,6 +246,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_spec(args: argparse.Namespace) -> int:
+    """W-SPEC (`ember.tools.bench_spec`): the model given, else the default model (real
+    weights), with `--speculative-config` (default: ngram, 4 tokens, 2- to 4-token matches)
+    against the same engine without it."""
+    from ember.tools.bench_spec import format_spec, run_spec  # noqa: PLC0415
+
+    overrides = _model_overrides(args, args.model)
+    cache_dir = None if args.no_cache else "auto"
+    base_args = EngineArgs.from_cli_args(
+        args, **overrides, compile_cache_dir=cache_dir, speculative_config=None
+    )
+    spec_config = args.speculative_config or DEFAULT_SPEC_BENCH
+    base = LLM(use_tqdm=False, **dataclasses.asdict(base_args))
+    spec = LLM(
+        use_tqdm=False,
+        **dataclasses.asdict(dataclasses.replace(base_args, speculative_config=spec_config)),
+    )
+    rows = run_spec(base, spec, repeats=args.repeats)
+    cfg = spec.config
+    print(
+        f"{host.cpu_description()}; ember kernels: cpu_isa={cfg.cpu_isa}, ATen: "
+        f"{torch.backends.cpu.get_cpu_capability()}; model {cfg.model}, weights "
+        f"{_weights_description(cfg)}"
+    )
+    print(format_spec(rows, f"speculative_config {cfg.speculative_config}"))
+    return 0
+
+
+# `ember bench --workload spec` without --speculative-config.
+DEFAULT_SPEC_BENCH = (
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+    '"prompt_lookup_max": 4}'
+)
+
+
 def _weights_description(cfg: Any) -> str:
     """What the linear weights are stored as: the quantization, the GGUF file's tensor types,
     or the dtype."""
@@ -285,9 +322,15 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"compile cache dir (default {default_compile_cache_dir()})",
     )
     warm.set_defaults(func=cmd_warmup)
-    bench_p = sub.add_parser("bench", help="run a standard workload (W-THRU, W-LAT)")
+    bench_p = sub.add_parser("bench", help="run a standard workload (W-THRU, W-LAT, W-SPEC)")
     _add_engine_args(bench_p, skip=("compile_cache_dir",))
-    bench_p.add_argument("--workload", choices=["thru", "lat"], default="lat")
+    bench_p.add_argument(
+        "--workload",
+        choices=["thru", "lat", "spec"],
+        default="lat",
+        help="spec: speculative decoding (--speculative-config) against plain decoding on "
+        "input-grounded chat tasks, on the given model or the default one",
+    )
     bench_p.add_argument(
         "--shape",
         default="llama-160m",

@@ -1,6 +1,7 @@
 """Prometheus metrics of a served engine (`/metrics`, prometheus_client), vLLM's set by name:
 running and waiting requests, KV blocks in use, prefix-cache hit rate, TTFT and TPOT
-histograms, prompt and generated token counters (tokens per second is their `rate()`)."""
+histograms, prompt and generated token counters (tokens per second is their `rate()`), and
+speculative decoding's draft and accepted token counters."""
 
 from __future__ import annotations
 
@@ -58,6 +59,18 @@ class EngineMetrics:
         self.aborted = Counter(
             "ember_requests_aborted", "requests aborted unfinished (a client gone)", registry=r
         )
+        # Speculative decoding, vLLM's names: steps of a request that carried drafts, draft
+        # tokens proposed, draft tokens the target kept (acceptance = accepted / draft tokens).
+        self.spec_drafts = Counter(
+            "ember_spec_decode_num_drafts", "request steps that verified draft tokens", registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "ember_spec_decode_num_draft_tokens", "draft tokens proposed", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "ember_spec_decode_num_accepted_tokens", "draft tokens accepted", registry=r
+        )
+        self._spec_seen = (0, 0, 0)
 
     def arrived(self, request_id: str) -> None:
         self._timing[request_id] = _Timing(time.perf_counter())
@@ -94,3 +107,13 @@ class EngineMetrics:
         self.waiting.set(len(scheduler.waiting))
         self.blocks_total.set(blocks.num_usable_blocks)
         self.blocks_used.set(blocks.num_usable_blocks - blocks.num_free_blocks)
+        totals = (
+            scheduler.num_drafts,
+            scheduler.num_draft_tokens,
+            scheduler.num_accepted_tokens,
+        )
+        counters = (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens)
+        for counter, now, seen in zip(counters, totals, self._spec_seen, strict=True):
+            if now > seen:
+                counter.inc(now - seen)
+        self._spec_seen = totals

@@ -226,3 +226,37 @@ def test_bad_configs_are_value_errors_naming_the_field(checkpoint_dir):
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=field):
             _llm(d, spec)
+
+
+def test_served_with_speculative_config_and_metrics(engines):
+    import json
+    import urllib.request
+
+    from tests.e2e.servers import metrics, start_serve, stop_serve
+
+    d, base, _ = engines
+    spec = json.dumps(NGRAM)
+    args = [d, "--no-compile", "--kv-cache-gib", "0.02", "--max-model-len", "256",
+            "--speculative-config", spec]  # fmt: skip
+    proc, url = start_serve(args)
+    try:
+        prompt = repetitive_prompts(1, seed=7)[0]
+        body = {"model": d, "prompt": prompt, "max_tokens": 32, "temperature": 0.0,
+                "ignore_eos": True}  # fmt: skip
+        req = urllib.request.Request(
+            url + "/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            text = json.load(r)["choices"][0]["text"]
+        want = base.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0,
+                                                      ignore_eos=True))  # fmt: skip
+        assert text == want[0].outputs[0].text
+        values = metrics(url)
+        drafts = values["ember_spec_decode_num_draft_tokens_total"]
+        accepted = values["ember_spec_decode_num_accepted_tokens_total"]
+        assert drafts > 0 and 0 < accepted <= drafts
+        assert values["ember_spec_decode_num_drafts_total"] > 0
+    finally:
+        stop_serve(proc)
