@@ -248,7 +248,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_spec(args: argparse.Namespace) -> int:
     """W-SPEC (`ember.tools.bench_spec`): the model given, else the default model (real
-    weights), with `--speculative-config` (default: ngram, 4 tokens, 2- to 4-token matches)
+    weights), with `--speculative-config` (default: ngram, up to 8 tokens, 2- to 4-token matches)
     against the same engine without it."""
     from ember.tools.bench_spec import format_spec, run_spec  # noqa: PLC0415
 
@@ -274,9 +274,10 @@ def _bench_spec(args: argparse.Namespace) -> int:
     return 0
 
 
-# `ember bench --workload spec` without --speculative-config.
+# `ember bench --workload spec` without --speculative-config (each request proposes fewer
+# while its drafts are rejected: `ember.runtime.speculative.SpecState`).
 DEFAULT_SPEC_BENCH = (
-    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+    '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, '
     '"prompt_lookup_max": 4}'
 )
 

@@ -164,7 +164,9 @@ class Scheduler:
                 self.max_model_len - r.num_tokens - 1,
                 self.proposer.num_speculative_tokens,
             )
-            if room > 0 and r.spec.wants_draft():
+            if room > 0:
+                room = r.spec.num_drafts(room)
+            if room > 0:
                 wanted.append((r, room))
         return self.proposer.propose(wanted) if wanted else {}
 

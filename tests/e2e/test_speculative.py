@@ -260,3 +260,16 @@ def test_served_with_speculative_config_and_metrics(engines):
         assert values["ember_spec_decode_num_drafts_total"] > 0
     finally:
         stop_serve(proc)
+
+
+def test_w_spec_benchmark_runs_and_reports(engines):
+    from ember.tools.bench_spec import format_spec, run_spec
+
+    _, base, spec = engines
+    rows = run_spec(base, spec, tasks=("quote", "free"), batches=(1, 2), repeats=1, max_tokens=12)
+    assert [(r.task, r.batch) for r in rows] == [("quote", 1), ("quote", 2), ("free", 1),
+                                                 ("free", 2)]  # fmt: skip
+    for r in rows:
+        assert r.tpot_base_ms > 0 and r.tpot_spec_ms > 0 and 0 <= r.accepted <= r.proposed
+    table = format_spec(rows, "tiny")
+    assert "quote" in table and "speed-up" in table

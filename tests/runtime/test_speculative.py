@@ -106,14 +106,25 @@ def test_backoff_skips_doubling_steps_after_rejections():
     s = SpecState()
     pattern = []
     for _ in range(20):
-        wants = s.wants_draft()
+        wants = s.num_drafts(4) > 0
         pattern.append(wants)
         if wants:
-            s.record(3, 0)  # every draft rejected
+            s.record(1, 0)  # every draft rejected
     # Proposes, skips 1, proposes, skips 2, proposes, skips 4, ...
     assert pattern[:11] == [True, False, True, False, False, True] + [False] * 4 + [True]
     s.record(3, 2)
-    assert s.backoff == 1 and (s.proposed, s.accepted) == (3 * sum(pattern) + 3, 2)
+    assert s.backoff == 1 and (s.proposed, s.accepted) == (sum(pattern) + 3, 2)
+
+
+def test_draft_length_follows_the_acceptance_estimate():
+    s = SpecState()
+    assert s.num_drafts(8) == 3  # prior rate 0.8: 0.8 ** 3 >= 0.5 > 0.8 ** 4
+    for _ in range(10):
+        s.record(4, 4)  # everything kept
+    assert s.rate > 0.95 and s.num_drafts(8) == 8 and s.num_drafts(3) == 3
+    for _ in range(30):
+        s.record(4, 1)  # one kept, then a rejection: rate -> 1/2
+    assert s.rate < 0.52 and s.num_drafts(8) == 1
 
 
 def chisquare_pvalue(counts: np.ndarray, expected: np.ndarray) -> float:
@@ -202,7 +213,9 @@ class _FixedProposer(NgramProposer):
 
 def _request(rid: str, prompt: list[int], max_tokens: int = 12) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    return Request(rid, prompt, params, None, max_tokens, torch.Generator(), spec=SpecState())
+    # A request that has kept every draft so far: it proposes as many as there is room for.
+    spec = SpecState(kept=1e6)
+    return Request(rid, prompt, params, None, max_tokens, torch.Generator(), spec=spec)
 
 
 def test_scheduler_rolls_back_rejected_drafts_without_leaks_or_cached_drafts():
