@@ -265,7 +265,8 @@ def test_served_with_speculative_config_and_metrics(engines):
 def test_w_spec_benchmark_runs_and_reports(engines):
     from ember.tools.bench_spec import format_spec, run_spec
 
-    _, base, spec = engines
+    d = engines[0]
+    base, spec = _llm(d, None, max_model_len=1024), _llm(d, max_model_len=1024)
     rows = run_spec(base, spec, tasks=("quote", "free"), batches=(1, 2), repeats=1, max_tokens=12)
     assert [(r.task, r.batch) for r in rows] == [("quote", 1), ("quote", 2), ("free", 1),
                                                  ("free", 2)]  # fmt: skip
