@@ -220,6 +220,7 @@ def test_bad_configs_are_value_errors_naming_the_field(checkpoint_dir):
     d = checkpoint_dir("tiny-llama")
     for spec, field in [
         ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+        ({"method": "draft_model", "model": d, "num_speculative_tokens": 2}, "method"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": -1},
          "prompt_lookup_min"),
