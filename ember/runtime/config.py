@@ -564,11 +564,7 @@ class EngineConfig:
             raise ValueError(
                 f"speculative_config needs a decoder-only LM; this model is {self.task}"
             )
-        if self.speculative_config is not None and self.speculative_config.method != "ngram":
-            raise ValueError(
-                f"speculative_config.method={self.speculative_config.method!r} is not "
-                "implemented in ember yet; use method ngram"
-            )
+
         if self.attention_backend not in BACKEND_NAMES[1:]:
             raise ValueError(
                 f"attention_backend must be one of {BACKEND_NAMES[1:]} once resolved, "

@@ -7,6 +7,7 @@ outputs of the requests that changed are built from their state.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import random
@@ -24,6 +25,7 @@ from ember.lora.adapter import LoRARequest
 from ember.lora.manager import LoRAManager
 from ember.runtime.block_manager import BlockManager
 from ember.runtime.config import EngineConfig, KVCacheSpec
+from ember.runtime.draft import DraftProposer, draft_engine_args
 from ember.runtime.logits import resolve as resolve_controls
 from ember.runtime.model_runner import ModelRunner
 from ember.runtime.multimodal import ImageInputs, as_image_list, build_image_inputs, is_image
@@ -103,7 +105,13 @@ class LLMEngine:
     """Continuous-batching engine over one model. Not thread-safe: a call from a second
     thread while another is inside raises RuntimeError (never silent mixing)."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        num_blocks: int,
+        draft: LLMEngine | None = None,
+    ) -> None:
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.spec.hf_config
@@ -131,7 +139,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.max_model_len,
             config.max_loras if config.enable_lora else 0,
-            self._proposer(config.speculative_config),
+            self._proposer(config.speculative_config, draft),
         )
         self.lora: LoRAManager | None = None
         if loaded.lora is not None:
@@ -153,42 +161,48 @@ class LLMEngine:
         # Outputs of other requests produced while `embed` ran the loop: the next step's.
         self._held: list[Any] = []
 
-    @staticmethod
-    def _proposer(spec: SpeculativeConfig | None) -> Proposer | None:
+    def _proposer(self, spec: SpeculativeConfig | None, draft: LLMEngine | None) -> Proposer | None:
         if spec is None:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec)
-        raise ValueError(f"speculative_config.method={spec.method!r} is not supported yet")
+        if draft is None:
+            raise ValueError("speculative_config.method='draft_model' needs the draft's engine")
+        return DraftProposer(draft, spec, self.vocab_size)
 
     @classmethod
     def from_config(cls, config: EngineConfig, show_progress: bool = True) -> LLMEngine:
         """Load the model, size the KV cache and compile every bucket before returning."""
-        lora = None
-        if config.enable_lora:
-            lora = LoRAShape(config.max_loras, config.max_lora_rank, config.max_num_batched_tokens)
-        loaded = load_model(
-            config.model_spec,
-            config.dtype,
-            get_backend(config.attention_backend),
-            config.quantization,
-            lora,
-            weight_dtype=config.weight_dtype,
-            kernel_linears=not config.freeze_weights,
-            cpu_isa=config.cpu_isa,
-            load_format=config.load_format,
-        )
-        num_blocks = KVCacheSpec.num_blocks_for(
-            config.kv_cache_gib, loaded.kv_layer_shapes, config.block_size, config.kv_dtype
-        )
-        # One block is the reserved null block for padding.
-        if num_blocks - 1 < config.max_blocks_per_seq:
-            raise ValueError(
-                f"kv_cache_gib={config.kv_cache_gib} holds "
-                f"{max(num_blocks - 1, 0) * config.block_size} tokens, fewer than "
-                f"max_model_len={config.max_model_len}; raise kv_cache_gib or lower max_model_len"
+        loaded = _load(config)
+        gib = config.kv_cache_gib
+        draft = None
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            # The draft model's engine, sharing the KV budget so both caches hold as many
+            # tokens (per token: target K/V bytes : draft K/V bytes).
+            try:
+                draft_config = draft_engine_args(config, spec).create_engine_config()
+            except ValueError as e:
+                raise ValueError(f"speculative_config.model={spec.model!r}: {e}") from e
+            if draft_config.task != "generate":
+                raise ValueError(
+                    f"speculative_config.model={spec.model!r} is not a decoder-only LM"
+                )
+            draft_loaded = _load(draft_config)
+            per_token = [
+                KVCacheSpec(c_loaded.kv_layer_shapes, 1, 1, c.kv_dtype).bytes_per_block
+                for c, c_loaded in ((config, loaded), (draft_config, draft_loaded))
+            ]
+            draft_gib = gib * per_token[1] / sum(per_token)
+            gib -= draft_gib
+            draft_config = dataclasses.replace(draft_config, kv_cache_gib=draft_gib)
+            draft = cls(
+                draft_config, draft_loaded, _num_blocks(draft_config, draft_loaded, draft_gib)
             )
-        engine = cls(config, loaded, num_blocks)
+            draft.compile_cache_hit = draft.runner.warmup(
+                show_progress, background=config.background_compile
+            )
+        engine = cls(config, loaded, _num_blocks(config, loaded, gib), draft)
         collapse_to_huge_pages()  # the weights' pages, on a thread, while the graphs compile
         engine.compile_cache_hit = engine.runner.warmup(
             show_progress, background=config.background_compile
@@ -648,11 +662,46 @@ class LLMEngine:
         for request_id in list(self._parents):
             self.abort_request(request_id)
         self.runner.close()
+        if self.scheduler.proposer is not None:
+            self.scheduler.proposer.close()
         self._closed = True
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this engine is closed; create a new one to run more requests")
+
+
+def _load(config: EngineConfig) -> LoadedModel:
+    lora = None
+    if config.enable_lora:
+        lora = LoRAShape(config.max_loras, config.max_lora_rank, config.max_num_batched_tokens)
+    return load_model(
+        config.model_spec,
+        config.dtype,
+        get_backend(config.attention_backend),
+        config.quantization,
+        lora,
+        weight_dtype=config.weight_dtype,
+        kernel_linears=not config.freeze_weights,
+        cpu_isa=config.cpu_isa,
+        load_format=config.load_format,
+    )
+
+
+def _num_blocks(config: EngineConfig, loaded: LoadedModel, gib: float) -> int:
+    """KV blocks of `loaded`'s geometry in `gib`; at least one max_model_len sequence."""
+    num_blocks = KVCacheSpec.num_blocks_for(
+        gib, loaded.kv_layer_shapes, config.block_size, config.kv_dtype
+    )
+    # One block is the reserved null block for padding.
+    if num_blocks - 1 < config.max_blocks_per_seq:
+        raise ValueError(
+            f"kv_cache_gib={config.kv_cache_gib} holds "
+            f"{max(num_blocks - 1, 0) * config.block_size} tokens of {config.model!r}, fewer "
+            f"than max_model_len={config.max_model_len}; raise kv_cache_gib or lower "
+            "max_model_len"
+        )
+    return num_blocks
 
 
 def _completion(index: int, request: Request, start: int, text_start: int) -> CompletionOutput:

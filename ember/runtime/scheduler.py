@@ -93,6 +93,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self._free_blocks(request)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
         return request
 
     def _free_blocks(self, request: Request, keep_hashes: bool = False) -> None:

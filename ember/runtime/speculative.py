@@ -216,6 +216,12 @@ class Proposer:
         (requests with nothing to propose may be left out)."""
         raise NotImplementedError
 
+    def forget(self, request_id: str) -> None:
+        """The request has finished: drop what the proposer keeps for it."""
+
+    def close(self) -> None:
+        """Release the proposer's resources (a draft model's engine)."""
+
 
 class NgramProposer(Proposer):
     """Prompt lookup (`ngram_propose`) over each request's own tokens."""

@@ -14,6 +14,7 @@ import torch
 
 from ember import LLM, SamplingParams, StructuredOutputsParams
 from ember.lora.adapter import LoRARequest
+from ember.runtime.speculative import Proposer
 from tests.conftest import gib_for_blocks, make_prompts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
@@ -148,7 +149,7 @@ def test_greedy_with_structured_outputs(engines):
     assert _stats(spec)[0] > before[0]
 
 
-class _Proposes:
+class _Proposes(Proposer):
     """Proposes the same draft tokens at every decode step (as much of them as fits)."""
 
     def __init__(self, draft: tuple[int, ...]) -> None:
@@ -214,13 +215,23 @@ def test_compiled_steps_verify_drafts_without_recompiling(checkpoint_dir):
         _same(expected[:1], spec.generate(prompts[:1], params))  # batch 1
     assert runner.graphs_compiled == compiled
     assert _stats(spec)[1] > 0
+    # A compiled draft model too: its catch-up chunks and batched decodes reuse its graphs.
+    spec = _llm(d, _draft(d), compile=True, max_num_batched_tokens=64)
+    draft_runner = spec.llm_engine.scheduler.proposer.engine.runner
+    compiled = (spec.llm_engine.runner.graphs_compiled, draft_runner.graphs_compiled)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        _same(expected, spec.generate(prompts, params))
+    assert (spec.llm_engine.runner.graphs_compiled, draft_runner.graphs_compiled) == compiled
+    assert _stats(spec)[1] > 0
 
 
 def test_bad_configs_are_value_errors_naming_the_field(checkpoint_dir):
     d = checkpoint_dir("tiny-llama")
     for spec, field in [
         ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
-        ({"method": "draft_model", "model": d, "num_speculative_tokens": 2}, "method"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
+        ({"method": "draft_model", "model": "/nonexistent", "num_speculative_tokens": 2},
+         "speculative_config.model"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": -1},
          "prompt_lookup_min"),
@@ -275,3 +286,66 @@ def test_w_spec_benchmark_runs_and_reports(engines):
         assert r.tpot_base_ms > 0 and r.tpot_spec_ms > 0 and 0 <= r.accepted <= r.proposed
     table = format_spec(rows, "tiny")
     assert "quote" in table and "speed-up" in table
+
+
+# ---- draft_model ------------------------------------------------------------------------------
+
+
+def _draft(model: str, k: int = 4) -> dict:
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["self-draft", "other-draft"])
+def test_draft_model_greedy_equals_plain_decoding(checkpoint_dir, same):
+    """A draft that is the target itself (every draft kept) and one with other weights (most
+    rejected), in mixed batches with chunked prefill (the draft catches up in chunks too) and
+    logprobs; no block leaks in either cache."""
+    d = checkpoint_dir("tiny-llama")
+    draft = d if same else checkpoint_dir("tiny-llama", seed=1)
+    prompts = repetitive_prompts(6, seed=8) + make_prompts(3, seed=9)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)
+    kw = dict(max_num_batched_tokens=24, max_num_seqs=5, block_size=4)
+    want = _llm(d, None, **kw).generate(prompts, params)
+    spec = _llm(d, _draft(draft), **kw)
+    _same(want, spec.generate(prompts, params), logprobs=True)
+    proposed, accepted = _stats(spec)
+    assert proposed > 0
+    assert (accepted == proposed) if same else (accepted < proposed)
+    proposer = spec.llm_engine.scheduler.proposer
+    assert proposer.blocks.num_free_blocks == proposer.blocks.num_usable_blocks
+    assert not proposer.computed
+    engine = spec.llm_engine
+    assert engine.num_free_blocks() == engine.block_manager.num_usable_blocks
+
+
+def test_draft_model_shares_the_kv_budget(checkpoint_dir):
+    d = checkpoint_dir("tiny-llama")
+    alone = _llm(d, None).llm_engine.block_manager.num_blocks
+    spec = _llm(d, _draft(d)).llm_engine
+    # Same geometry: each cache gets half the budget, and they hold as many tokens.
+    assert spec.block_manager.num_blocks == spec.scheduler.proposer.blocks.num_blocks
+    assert abs(spec.block_manager.num_blocks - alone // 2) <= 1
+
+
+def test_draft_model_under_preemption_and_sampling(checkpoint_dir):
+    d = checkpoint_dir("tiny-llama")
+    gib = 2 * gib_for_blocks(d, 24, 4)  # 24 blocks each for target and draft
+    prompts = repetitive_prompts(8, seed=10)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    kw = dict(kv_cache_gib=gib, block_size=4, max_model_len=80)
+    spec = _llm(d, _draft(d), **kw)
+    want = _llm(d, None, kv_cache_gib=gib / 2, block_size=4, max_model_len=80)
+    _same(want.generate(prompts, params), spec.generate(prompts, params))
+    assert spec.llm_engine.scheduler.num_preemptions > 0
+    # Sampled requests run (seeded: reproducible run to run).
+    sampled = SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)
+    first = spec.generate(prompts[:3], sampled)
+    again = spec.generate(prompts[:3], sampled)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+
+
+def test_draft_model_with_another_vocabulary_is_a_value_error(checkpoint_dir):
+    d = checkpoint_dir("tiny-llama")
+    other = checkpoint_dir("tiny-llama", vocab_size=300)
+    with pytest.raises(ValueError, match="speculative_config.model.*vocabulary"):
+        _llm(d, _draft(other))
