@@ -50,6 +50,23 @@ def test_sampler_top_k_top_p_mask_matches_naive(k, p):
         torch.testing.assert_close(out[r][list(kept)], logits[r][list(kept)])
 
 
+@pytest.mark.parametrize("scale", [0.3, 3.0, 10.0])
+def test_sampler_top_k_top_p_from_candidates_matches_naive(scale):
+    """Rows wider than the candidates `apply_top_k_top_p` takes first: cut from them where the
+    kept set lies within them, sorted where not (top_k just past them, flat rows), mixed in
+    one batch."""
+    g = torch.Generator().manual_seed(int(scale * 10))
+    vocab = 3000
+    ks = [1, 40, 256, 257, 1000, vocab, vocab, vocab]
+    ps = [0.9, 0.5, 0.95, 0.1, 0.9, 0.9, 0.999, 0.3]
+    logits = torch.randn(len(ks), vocab, generator=g) * scale
+    out = apply_top_k_top_p(logits, torch.tensor(ks), torch.tensor(ps))
+    for r, (k, p) in enumerate(zip(ks, ps, strict=True)):
+        kept = set(torch.nonzero(out[r] > float("-inf")).flatten().tolist())
+        assert kept == ref_top_k_top_p(logits[r], k, p), (r, k, p)
+        torch.testing.assert_close(out[r][list(kept)], logits[r][list(kept)])
+
+
 def test_sampler_min_p_mask():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]]))
     out = apply_min_p(logits, torch.tensor([0.15]))
@@ -170,3 +187,18 @@ def test_non_finite_rows_finds_nan_and_inf_but_allows_masked_tokens():
     )
     assert non_finite_rows(logits) == [1, 2, 3]
     assert non_finite_rows(logits.bfloat16()) == [1, 2, 3]
+
+
+def test_draw_follows_the_distribution_and_never_draws_zero_probability():
+    from ember.runtime.sampler import _draw
+    from tests.runtime.test_speculative import chisquare_pvalue
+
+    probs = torch.tensor([0.0, 0.45, 0.0, 0.3, 0.15, 0.1, 0.0]) * 3.0  # any positive total
+    g = torch.Generator().manual_seed(5)
+    counts = torch.bincount(
+        torch.tensor([_draw(probs, g) for _ in range(6000)]), minlength=len(probs)
+    ).double()
+    assert counts[probs == 0].sum() == 0
+    nz = probs > 0
+    expected = (probs[nz] / probs.sum() * 6000).numpy()
+    assert chisquare_pvalue(counts[nz].numpy(), expected) > 1e-3
