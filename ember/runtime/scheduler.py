@@ -19,6 +19,7 @@ waiting and recompute, and the blocks it was to fill leave the prefix cache.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Any
 
@@ -27,6 +28,8 @@ from ember.runtime.block_manager import BlockManager
 from ember.runtime.outputs import Logprob, find_stop_string
 from ember.runtime.request import Request, RequestStatus
 from ember.runtime.speculative import Proposer
+
+logger = logging.getLogger("ember")
 
 
 def cross_key(request_id: str) -> str:
@@ -170,7 +173,15 @@ class Scheduler:
                 room = r.spec.num_drafts(room)
             if room > 0:
                 wanted.append((r, room))
-        return self.proposer.propose(wanted) if wanted else {}
+        if not wanted:
+            return {}
+        try:
+            return self.proposer.propose(wanted)
+        except Exception:  # noqa: BLE001  (drafts are an optimisation: the step goes on)
+            logger.exception("speculative decoding: the proposer failed; decoding without drafts")
+            for request, _ in wanted:
+                self.proposer.forget(request.request_id)
+            return {}
 
     def _allocate_draft(self, request: Request, num_draft: int) -> bool:
         """Blocks for a decode with `num_draft` draft tokens, if free ones are there (drafts

@@ -281,3 +281,22 @@ def test_drafts_never_preempt_and_fall_back_to_one_token():
     assert [r.token_ids for r in plan.requests] == [(9,), (9,)]
     assert plan.preempted_ids == ()
     bm.assert_invariants()
+
+
+def test_a_failing_proposer_leaves_the_step_without_drafts():
+    class Broken(_FixedProposer):
+        forgotten: list[str] = []
+
+        def propose(self, wanted):
+            raise MemoryError("draft cache")
+
+        def forget(self, request_id):
+            self.forgotten.append(request_id)
+
+    bm = BlockManager(64, 4)
+    proposer = Broken((90, 91))
+    sched = Scheduler(bm, 8, 32, 64, proposer=proposer)
+    sched.add_request(_request("a", [1, 2, 3]))
+    sched.update(sched.schedule(), RunnerOutput({"a": 8}, {}))
+    plan = sched.schedule()
+    assert plan.requests[0].token_ids == (8,) and proposer.forgotten == ["a"]
