@@ -96,9 +96,16 @@ def test_greedy_mixed_batches_chunked_prefill_and_request_rules(engines, checkpo
                        frequency_penalty=0.5, presence_penalty=0.2),
         SamplingParams(max_tokens=30, temperature=0.0, n=2, logit_bias={11: 3.0}),
         SamplingParams(max_tokens=25, temperature=0.0, bad_words=[tok.decode([prompts[0][-1]])]),
+        SamplingParams(max_tokens=20, temperature=0.0, prompt_logprobs=2, logprobs=2),
     ]  # fmt: skip
     per = [params[i % len(params)] for i in range(len(prompts))]
-    _same(base.generate(prompts, per), spec.generate(prompts, per))
+    want, got = base.generate(prompts, per), spec.generate(prompts, per)
+    _same(want, got)
+    for w, g in zip(want, got, strict=True):
+        if w.prompt_logprobs is not None:
+            assert [None if e is None else list(e) for e in w.prompt_logprobs] == [
+                None if e is None else list(e) for e in g.prompt_logprobs
+            ]
     proposed, accepted = _stats(spec)
     assert accepted > 0 and proposed > accepted
     engine = spec.llm_engine
@@ -119,7 +126,8 @@ def test_greedy_under_preemption(checkpoint_dir):
     spec.llm_engine.block_manager.assert_invariants()
 
 
-def test_greedy_with_lora_adapters(checkpoint_dir, tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_with_lora_adapters(checkpoint_dir, tmp_path, method):
     from tests.lora.test_lora_e2e import make_adapter
 
     d = checkpoint_dir("tiny-llama")
@@ -128,7 +136,7 @@ def test_greedy_with_lora_adapters(checkpoint_dir, tmp_path):
     loras = [lora, None, lora, None]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     kw = dict(enable_lora=True, max_lora_rank=8, block_size=4)
-    base, spec = _llm(d, None, **kw), _llm(d, **kw)
+    base, spec = _llm(d, None, **kw), _llm(d, NGRAM if method == "ngram" else _draft(d), **kw)
     _same(
         base.generate(prompts, params, lora_request=loras),
         spec.generate(prompts, params, lora_request=loras),
@@ -136,9 +144,12 @@ def test_greedy_with_lora_adapters(checkpoint_dir, tmp_path):
     assert _stats(spec)[1] > 0
 
 
-def test_greedy_with_structured_outputs(engines):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_with_structured_outputs(engines, method):
     pytest.importorskip("xgrammar")
-    _, base, spec = engines
+    d, base, spec = engines
+    if method == "draft_model":
+        spec = _llm(d, _draft(d))
     # A regex whose repeated part the n-gram proposer can copy from the output.
     so = StructuredOutputsParams(regex=r"(ab|cd)(ab|cd)(ab|cd)(ab|cd)x[0-9]{3}")
     plain = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
