@@ -12,6 +12,7 @@ import functools
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -537,7 +538,9 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests waiting")
             return held
         try:
+            start = time.perf_counter()
             result = self.runner.execute(plan)
+            self.scheduler.observe_step(plan, time.perf_counter() - start)
         except BaseException:
             # Nothing of this step is kept: its requests recompute on a later step, and blocks
             # it was to fill leave the prefix cache. The engine stays usable.

@@ -27,7 +27,7 @@ from ember.runtime.batch import RunnerOutput, ScheduledRequest, StepPlan, TokenL
 from ember.runtime.block_manager import BlockManager
 from ember.runtime.outputs import Logprob, find_stop_string
 from ember.runtime.request import Request, RequestStatus
-from ember.runtime.speculative import Proposer
+from ember.runtime.speculative import Proposer, StepCosts
 
 logger = logging.getLogger("ember")
 
@@ -57,6 +57,7 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.spec_plan: dict[str, tuple[int, ...]] = {}  # this step's drafts, by request
+        self.step_costs = StepCosts()  # decode steps' time against their token counts
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -161,8 +162,10 @@ class Scheduler:
         if self.proposer is None:
             return {}
         wanted: list[tuple[Request, int]] = []
-        for r in order:
-            if r.num_tokens - r.num_computed_tokens != 1 or r.pool or r.spec is None:
+        decodes = [r for r in order if r.num_tokens - r.num_computed_tokens == 1]
+        value = self.step_costs.token_value(len(decodes))
+        for r in decodes:
+            if r.pool or r.spec is None:
                 continue
             room = min(
                 r.max_tokens - len(r.output_token_ids) - 1,
@@ -170,7 +173,7 @@ class Scheduler:
                 self.proposer.num_speculative_tokens,
             )
             if room > 0:
-                room = r.spec.num_drafts(room)
+                room = r.spec.num_drafts(room, value)
             if room > 0:
                 wanted.append((r, room))
         if not wanted:
@@ -182,6 +185,14 @@ class Scheduler:
             for request, _ in wanted:
                 self.proposer.forget(request.request_id)
             return {}
+
+    def observe_step(self, plan: StepPlan, seconds: float) -> None:
+        """Time of a step that ran: decode-only steps (drafts or not) feed the step-cost fit
+        that sizes drafts."""
+        if self.proposer is not None and all(
+            r.num_new_tokens - len(r.spec_token_ids) == 1 and not r.pool for r in plan.requests
+        ):
+            self.step_costs.observe(plan.num_tokens, seconds)
 
     def _allocate_draft(self, request: Request, num_draft: int) -> bool:
         """Blocks for a decode with `num_draft` draft tokens, if free ones are there (drafts

@@ -189,6 +189,7 @@ def test_sampling_matches_the_targets_distribution(checkpoint_dir):
     draft = tuple(int(np.bincount(base[:, pos]).argmax()) for pos in (1, 2))
     spec = _llm(d, **kw)
     spec.llm_engine.scheduler.proposer = _Proposes(draft)
+    spec.llm_engine.scheduler.step_costs.token_value = lambda _: 1e9  # always propose
     # Other seeds: the two runs are independent samples.
     params = [dataclasses.replace(p, seed=trials + p.seed) for p in params]
     outs = spec.generate([prompt] * trials, params, use_tqdm=False)

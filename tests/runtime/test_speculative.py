@@ -20,6 +20,7 @@ from ember.runtime.speculative import (
     NgramProposer,
     SpecState,
     SpeculativeConfig,
+    StepCosts,
     ngram_propose,
 )
 
@@ -116,15 +117,42 @@ def test_backoff_skips_doubling_steps_after_rejections():
     assert s.backoff == 1 and (s.proposed, s.accepted) == (sum(pattern) + 3, 2)
 
 
-def test_draft_length_follows_the_acceptance_estimate():
-    s = SpecState()
-    assert s.num_drafts(8) == 3  # prior rate 0.8: 0.8 ** 3 >= 0.5 > 0.8 ** 4
+def test_draft_length_weighs_expected_kept_tokens_against_their_cost():
+    s = SpecState()  # prior rate 0.8: 0.8 ** 3 >= 1/2 > 0.8 ** 4
+    assert s.num_drafts(8, value=11.0) == 3  # batch 1: a draft costs a tenth of a step
+    # A batch of 8: expected kept tokens 0.8, 1.44, 1.95: 1.44 * 1.6 - 2 beats 0.8 * 1.6 - 1
+    # and 1.95 * 1.6 - 3.
+    assert s.num_drafts(8, value=1.6) == 2
     for _ in range(10):
         s.record(4, 4)  # everything kept
-    assert s.rate > 0.95 and s.num_drafts(8) == 8 and s.num_drafts(3) == 3
+    assert s.rate > 0.95 and s.num_drafts(8, value=11.0) == 8 and s.num_drafts(3) == 3
     for _ in range(30):
         s.record(4, 1)  # one kept, then a rejection: rate -> 1/2
-    assert s.rate < 0.52 and s.num_drafts(8) == 1
+    assert 0.48 < s.rate < 0.52
+    assert s.num_drafts(8, value=11.0) == 1  # 0.5 ** 2 < 1/2
+    assert s.num_drafts(8, value=2.3) == 1  # 0.5 * 2.3 - 1 > 0
+    # Not worth one draft: no drafts, a pause, then a probe with one.
+    assert s.num_drafts(8, value=1.5) == 0
+    assert s.skip == 1 and s.num_drafts(8, value=1.5) == 0
+    assert s.num_drafts(8, value=1.5) == 1
+
+
+def test_step_costs_fit_a_line_through_decode_steps():
+    costs = StepCosts()
+    t0, t1 = costs.fit()
+    assert t1 / t0 == pytest.approx(0.1)  # the prior before any step
+    for _ in range(3):
+        for tokens in (1, 2, 5, 9):
+            costs.observe(tokens, 5.0 + 0.5 * tokens)
+    t0, t1 = costs.fit()
+    assert (t0, t1) == (pytest.approx(5.0), pytest.approx(0.5))
+    assert costs.token_value(1) == pytest.approx(11.0)
+    assert costs.token_value(8) == pytest.approx(2.25)
+    one_size = StepCosts()
+    for _ in range(5):
+        one_size.observe(1, 6.6)
+    t0, t1 = one_size.fit()
+    assert t0 + t1 == pytest.approx(6.6) and t1 / t0 == pytest.approx(0.1)
 
 
 def chisquare_pvalue(counts: np.ndarray, expected: np.ndarray) -> float:
