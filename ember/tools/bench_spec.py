@@ -118,7 +118,9 @@ def timed_batch(
                 first[out.request_id] = now
             last[out.request_id] = (now, n)
     tpots = [(last[r][0] - first[r]) / (last[r][1] - 1) for r in first if last[r][1] > 1]
-    return statistics.mean(tpots) * 1e3, statistics.mean(n for _, n in last.values())
+    mean_tokens = statistics.mean(n for _, n in last.values())
+    # A model that answers in one token (EOS at once) has no TPOT.
+    return (statistics.mean(tpots) * 1e3 if tpots else float("nan")), mean_tokens
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
