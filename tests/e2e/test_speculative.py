@@ -14,8 +14,8 @@ import torch
 
 from ember import LLM, SamplingParams, StructuredOutputsParams
 from ember.lora.adapter import LoRARequest
-from ember.runtime.speculative import Proposer
 from tests.conftest import gib_for_blocks, make_prompts
+from tests.runtime.test_speculative import FixedProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}  # fmt: skip
@@ -160,17 +160,6 @@ def test_greedy_with_structured_outputs(engines, method):
     assert _stats(spec)[0] > before[0]
 
 
-class _Proposes(Proposer):
-    """Proposes the same draft tokens at every decode step (as much of them as fits)."""
-
-    def __init__(self, draft: tuple[int, ...]) -> None:
-        self.num_speculative_tokens = len(draft)
-        self.draft = draft
-
-    def propose(self, wanted):
-        return {r.request_id: self.draft[:room] for r, room in wanted}
-
-
 def test_sampling_matches_the_targets_distribution(checkpoint_dir):
     """Many seeded samples of the 2nd and 3rd output tokens, with and without speculation: a
     two-sample chi-square test per position. Every request's first decode verifies two drafts:
@@ -188,7 +177,7 @@ def test_sampling_matches_the_targets_distribution(checkpoint_dir):
     base = np.array([o.outputs[0].token_ids for o in outs])
     draft = tuple(int(np.bincount(base[:, pos]).argmax()) for pos in (1, 2))
     spec = _llm(d, **kw)
-    spec.llm_engine.scheduler.proposer = _Proposes(draft)
+    spec.llm_engine.scheduler.proposer = FixedProposer(draft)
     spec.llm_engine.scheduler.step_costs.token_value = lambda _: 1e9  # always propose
     # Other seeds: the two runs are independent samples.
     params = [dataclasses.replace(p, seed=trials + p.seed) for p in params]

@@ -17,7 +17,7 @@ from ember.runtime.request import Request, SamplingParams
 from ember.runtime.sampler import _draw, verify
 from ember.runtime.scheduler import Scheduler
 from ember.runtime.speculative import (
-    NgramProposer,
+    Proposer,
     SpecState,
     SpeculativeConfig,
     StepCosts,
@@ -228,7 +228,7 @@ def test_verify_logprobs_are_the_targets_rows():
 # ---- scheduling drafts ------------------------------------------------------------------------
 
 
-class _FixedProposer(NgramProposer):
+class FixedProposer(Proposer):
     """Proposes `draft` (cut to the room left) for every request."""
 
     def __init__(self, draft: tuple[int, ...]) -> None:
@@ -248,7 +248,7 @@ def _request(rid: str, prompt: list[int], max_tokens: int = 12) -> Request:
 
 def test_scheduler_rolls_back_rejected_drafts_without_leaks_or_cached_drafts():
     bm = BlockManager(64, 4)
-    sched = Scheduler(bm, 8, 32, 64, proposer=_FixedProposer((90, 91, 92, 93, 94, 95)))
+    sched = Scheduler(bm, 8, 32, 64, proposer=FixedProposer((90, 91, 92, 93, 94, 95)))
     sched.add_request(_request("a", [1, 2, 3, 4, 5, 6, 7]))
     plan = sched.schedule()  # the prefill: no drafts
     assert plan.requests[0].spec_token_ids == ()
@@ -283,7 +283,7 @@ def test_scheduler_rolls_back_rejected_drafts_without_leaks_or_cached_drafts():
 
 def test_scheduler_stops_mid_draft_and_drops_the_rest():
     bm = BlockManager(64, 4)
-    sched = Scheduler(bm, 8, 32, 64, proposer=_FixedProposer((90, 91, 92)))
+    sched = Scheduler(bm, 8, 32, 64, proposer=FixedProposer((90, 91, 92)))
     request = _request("a", [1, 2, 3])
     request.params.stop_token_ids = [91]
     sched.add_request(request)
@@ -298,7 +298,7 @@ def test_scheduler_stops_mid_draft_and_drops_the_rest():
 
 def test_drafts_never_preempt_and_fall_back_to_one_token():
     bm = BlockManager(4, 4)  # 3 usable blocks: 12 positions
-    sched = Scheduler(bm, 8, 32, 12, proposer=_FixedProposer((90, 91, 92, 93, 94, 95)))
+    sched = Scheduler(bm, 8, 32, 12, proposer=FixedProposer((90, 91, 92, 93, 94, 95)))
     sched.add_request(_request("a", [1, 2, 3, 4]))
     sched.add_request(_request("b", [1, 2, 3]))
     plan = sched.schedule()
@@ -312,7 +312,7 @@ def test_drafts_never_preempt_and_fall_back_to_one_token():
 
 
 def test_a_failing_proposer_leaves_the_step_without_drafts():
-    class Broken(_FixedProposer):
+    class Broken(FixedProposer):
         forgotten: list[str] = []
 
         def propose(self, wanted):
