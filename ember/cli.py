@@ -232,14 +232,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         flops=flops,
         warm_start=warm,
     )
-    cfg = llm.config
-    print(
-        f"{host.cpu_description()}; ember kernels: cpu_isa={cfg.cpu_isa}, ATen: "
-        f"{torch.backends.cpu.get_cpu_capability()}; checkpoint {model_dir}, "
-        f"weights {_weights_description(cfg)}, "
-        f"math {str(dtype).removeprefix('torch.')}, "
-        f"KV cache {str(cfg.kv_dtype).removeprefix('torch.')}"
-    )
+    print(_bench_header(llm.config))
     print(bench.format_table(report))
     if profile is not None:
         print(bench.format_profile(profile, bytes_per_token, report.bandwidth_gbs))
@@ -264,13 +257,8 @@ def _bench_spec(args: argparse.Namespace) -> int:
         **dataclasses.asdict(dataclasses.replace(base_args, speculative_config=spec_config)),
     )
     rows = run_spec(base, spec, repeats=args.repeats)
-    cfg = spec.config
-    print(
-        f"{host.cpu_description()}; ember kernels: cpu_isa={cfg.cpu_isa}, ATen: "
-        f"{torch.backends.cpu.get_cpu_capability()}; model {cfg.model}, weights "
-        f"{_weights_description(cfg)}"
-    )
-    print(format_spec(rows, f"speculative_config {cfg.speculative_config}"))
+    print(_bench_header(spec.config))
+    print(format_spec(rows, f"speculative_config {spec.config.speculative_config}"))
     return 0
 
 
@@ -280,6 +268,17 @@ DEFAULT_SPEC_BENCH = (
     '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, '
     '"prompt_lookup_max": 4}'
 )
+
+
+def _bench_header(cfg: Any) -> str:
+    """The CPU, the kernels' ISA and what the benchmarked engine runs (`ember bench`)."""
+    return (
+        f"{host.cpu_description()}; ember kernels: cpu_isa={cfg.cpu_isa}, ATen: "
+        f"{torch.backends.cpu.get_cpu_capability()}; checkpoint {cfg.model}, "
+        f"weights {_weights_description(cfg)}, "
+        f"math {str(cfg.dtype).removeprefix('torch.')}, "
+        f"KV cache {str(cfg.kv_dtype).removeprefix('torch.')}"
+    )
 
 
 def _weights_description(cfg: Any) -> str:

@@ -132,6 +132,5 @@ class DraftProposer(Proposer):
         if not items:
             return
         output = self.engine.runner.execute(StepPlan(tuple(items)))
-        self.blocks.commit()
         for rid, token in output.sampled.items():
             drafts[rid].append(token)

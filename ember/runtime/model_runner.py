@@ -450,11 +450,10 @@ def _spec_rows(
         if drafts:
             order.extend(range(first_spec_row[i], first_spec_row[i] + len(drafts)))
             output = list(r.output_token_ids)
-            for j in range(len(drafts)):
-                row_requests.append(
-                    dataclasses.replace(r, output_token_ids=output + list(drafts[:j]))
-                )
-            row_requests.append(dataclasses.replace(r, output_token_ids=output + list(drafts)))
+            row_requests.extend(
+                dataclasses.replace(r, output_token_ids=output + list(drafts[:j]))
+                for j in range(len(drafts) + 1)
+            )
         else:
             row_requests.append(r)
         order.append(i)
@@ -472,12 +471,12 @@ def _apply_grammars(
     drafts before that row (rows past a draft the grammar refuses are left unmasked: that
     draft is masked at the row before, so no later row is used), then the grammar goes back."""
     spec_first = {first: drafts for first, drafts in spans if drafts}
+    spec_rows = {f + j for f, d in spec_first.items() for j in range(len(d) + 1)}
     plain = [
         i
         for i, r in enumerate(rows)
-        if r.grammar is not None and r.grammar.active and i not in failed
-        and not any(f <= i <= f + len(d) for f, d in spec_first.items())
-    ]  # fmt: skip
+        if r.grammar is not None and r.grammar.active and i not in failed and i not in spec_rows
+    ]
     if plain:
         masks = fill_bitmasks([rows[i].grammar for i in plain])  # type: ignore[misc]
         if plain == list(range(len(plain))):

@@ -128,21 +128,19 @@ class Scheduler:
                 continue  # waits for a step with a free adapter slot
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             draft = drafts.get(request.request_id, ())[: budget - num_new]
-            if draft and self._allocate_draft(request, len(draft)):
+            # Drafts never preempt anyone: without room for them the request decodes one
+            # token. Draft positions are never hashed (only real tokens enter the prefix
+            # cache: `BlockManager._cache_full_blocks`).
+            if draft and self._allocate(request, request.num_computed_tokens + 1 + len(draft)):
                 num_new += len(draft)
                 self.spec_plan[request.request_id] = draft
-                scheduled.append((request, num_new))
-                done.add(request.request_id)
-                budget -= num_new
-                if request.lora_id is not None:
-                    loras.add(request.lora_id)
+            elif not self._allocate_or_preempt(request, num_new, done, preempted):
                 continue
-            if self._allocate_or_preempt(request, num_new, done, preempted):
-                scheduled.append((request, num_new))
-                done.add(request.request_id)
-                budget -= num_new
-                if request.lora_id is not None:
-                    loras.add(request.lora_id)
+            scheduled.append((request, num_new))
+            done.add(request.request_id)
+            budget -= num_new
+            if request.lora_id is not None:
+                loras.add(request.lora_id)
         num_running = len(scheduled)
         if not preempted:
             budget = self._admit_waiting(budget, scheduled, loras)
@@ -194,11 +192,8 @@ class Scheduler:
         ):
             self.step_costs.observe(plan.num_tokens, seconds)
 
-    def _allocate_draft(self, request: Request, num_draft: int) -> bool:
-        """Blocks for a decode with `num_draft` draft tokens, if free ones are there (drafts
-        never preempt anyone: without room the request decodes one token). Draft positions
-        are never hashed: only the request's real tokens enter the prefix cache."""
-        total = request.num_computed_tokens + 1 + num_draft
+    def _allocate(self, request: Request, total: int) -> bool:
+        """Blocks for the request's first `total` positions, if free ones are there."""
         allocated = self.block_manager.allocate(
             request.request_id, request.all_token_ids, total, extra=request.cache_salt
         )
@@ -209,12 +204,7 @@ class Scheduler:
     ) -> bool:
         total = request.num_computed_tokens + num_new
         while True:
-            if (
-                self.block_manager.allocate(
-                    request.request_id, request.all_token_ids, total, extra=request.cache_salt
-                )
-                is not None
-            ):
+            if self._allocate(request, total):
                 return True
             victim = next(r for r in reversed(self.running) if r.request_id not in done)
             self._preempt(victim)

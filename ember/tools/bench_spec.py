@@ -15,6 +15,8 @@ each figure is the median over `repeats` alternated runs of the mean over the ba
 
 from __future__ import annotations
 
+import dataclasses
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -86,8 +88,6 @@ def task_prompt(llm: Any, text: str) -> list[int]:
     """`text` as a user message through the model's chat template (or plain, without one)."""
     tokenizer = llm.llm_engine.tokenizer
     if tokenizer is None:  # random ids of the text's length in characters / 4
-        import random  # noqa: PLC0415
-
         rng = random.Random(len(text))
         return [rng.randrange(3, llm.llm_engine.vocab_size) for _ in range(len(text) // 4)]
     if getattr(tokenizer, "chat_template", None):
@@ -105,7 +105,7 @@ def timed_batch(
     of a sampled task gets seed i (the same seeds in every run)."""
     engine = llm.llm_engine
     for i in range(batch):
-        p = params if params.temperature == 0 else _with_seed(params, i)
+        p = params if params.temperature == 0 else dataclasses.replace(params, seed=i)
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, p)
     first: dict[str, float] = {}
     last: dict[str, tuple[float, int]] = {}
@@ -121,12 +121,6 @@ def timed_batch(
     mean_tokens = statistics.mean(n for _, n in last.values())
     # A model that answers in one token (EOS at once) has no TPOT.
     return (statistics.mean(tpots) * 1e3 if tpots else float("nan")), mean_tokens
-
-
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    import dataclasses  # noqa: PLC0415
-
-    return dataclasses.replace(params, seed=seed)
 
 
 def run_spec(
