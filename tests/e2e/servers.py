@@ -1,4 +1,5 @@
-"""Helpers the end-to-end tests share: a checkpoint copy with a chat template, `ember serve`
+"""Helpers the end-to-end tests share: a checkpoint copy with a chat template (and the plain
+one the tiny-model tests use), `ember serve`
 started in a subprocess on a free port (ready once `/health` answers), and its metrics."""
 
 from __future__ import annotations
@@ -13,6 +14,12 @@ import urllib.request
 
 import pytest
 from transformers import AutoTokenizer
+
+# A plain role-prefixed chat template for the tiny random checkpoints.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
 
 
 def with_chat_template(src: str, dest: str, template: str) -> str:

@@ -17,12 +17,8 @@ import pytest
 
 from ember import LLM
 from ember.tools.chat_cli import PLAIN_MODE_NOTICE, PROMPT_INTERRUPT_HINT, run_chat
-from tests.e2e.servers import with_chat_template
+from tests.e2e.servers import CHAT_TEMPLATE, with_chat_template
 
-TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
-)
 ENGINE = dict(compile=False, kv_cache_gib=0.02, max_model_len=2048, dtype="float32")
 FLAGS = ["--no-compile", "--kv-cache-gib", "0.02", "--max-model-len", "2048",
          "--dtype", "float32", "--temperature", "0"]  # fmt: skip
@@ -33,7 +29,7 @@ FIRST, SECOND = "Hello there", "How are you today?"
 def chat_dir(checkpoint_dir, tmp_path_factory) -> str:
     """The tiny Llama with a chat template."""
     d = str(tmp_path_factory.mktemp("chat") / "tiny-llama-chat")
-    return with_chat_template(checkpoint_dir("tiny-llama"), d, TEMPLATE)
+    return with_chat_template(checkpoint_dir("tiny-llama"), d, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

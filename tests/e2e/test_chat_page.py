@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from ember import LLM, SamplingParams
-from tests.e2e.servers import metrics, start_serve, stop_serve, with_chat_template
+from tests.e2e.servers import CHAT_TEMPLATE, metrics, start_serve, stop_serve, with_chat_template
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -28,10 +28,6 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
-)
 MAX_LEN = 2048  # room for a long answer for Stop to cut short
 ENGINE = {"compile": False, "dtype": "float32", "kv_cache_gib": 0.05, "max_model_len": MAX_LEN}
 KEY = "sk-page-key"

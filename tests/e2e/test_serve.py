@@ -19,15 +19,11 @@ from transformers import AutoTokenizer
 from ember import LLM, LoRARequest, SamplingParams
 from ember.runtime.engine import LLMEngine
 from tests.conftest import make_prompts
-from tests.e2e.servers import metrics, start_serve, stop_serve, with_chat_template
+from tests.e2e.servers import CHAT_TEMPLATE, metrics, start_serve, stop_serve, with_chat_template
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
-)
 ENGINE = {"compile": False, "dtype": "float32", "kv_cache_gib": 0.02, "max_model_len": 256,
           "enable_lora": True, "max_lora_rank": 8}  # fmt: skip
 KEY = "sk-test-key"

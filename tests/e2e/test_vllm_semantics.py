@@ -18,12 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ember import LLM, SamplingParams
 from tests.conftest import build_tiny_bart, hf_bart_greedy, make_prompts
+from tests.e2e.servers import CHAT_TEMPLATE
 
 MAX_NEW = 16
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
-)
 
 
 def _llm(d: str, **kw) -> LLM:
