@@ -4,6 +4,8 @@ at the default dtype (../shared/DESIGN.md; #14's target: <= 3 s warm, <= 45 s co
 
     python -m pytest benchmarks/bench_startup.py --benchmark-columns=median,min,max
     EMBER_BENCH_LAYERS=4,16,32 python -m pytest benchmarks/bench_startup.py -k depth -s
+    EMBER_BENCH_REGIONAL=off ...   # whole-model graphs at every depth (on: regions at every
+                                   # depth; default: ember's own choice, `regional_compile`)
 
 The timed unit is one whole child process (interpreter, `import torch`, `import ember`, the
 engine); `extra_info` holds the medians of what the child measured itself: `ready_s` (the
@@ -89,20 +91,26 @@ start = time.perf_counter()
 from ember import LLM, SamplingParams
 imported = time.perf_counter()
 background = sys.argv[3] == "background"
+regional = {"auto": None, "on": True, "off": False}[sys.argv[4]]
 llm = LLM(model=sys.argv[1], compile_cache_dir=sys.argv[2], use_tqdm=False, dtype="float32",
-          kv_cache_gib=0.1, max_model_len=512, background_compile=background)
+          kv_cache_gib=0.1, max_model_len=512, background_compile=background,
+          regional_compile=regional)
 ready = time.perf_counter()
 llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(max_tokens=1), use_tqdm=False)
 first = time.perf_counter()
 llm.llm_engine.runner.wait_for_graphs()
 print(json.dumps({"import_s": imported - start, "ready_s": ready - imported,
+                  "regions": llm.llm_engine.runner.regions,
                   "first_token_s": first - imported,
                   "all_graphs_s": time.perf_counter() - imported}))
 """
 
 
+REGIONAL = os.environ.get("EMBER_BENCH_REGIONAL", "auto")
+
+
 def _depth_start(checkpoint: str, cache_dir: str, mode: str) -> dict:
-    return _child(_DEPTH_CHILD, checkpoint, cache_dir, mode, timeout=1800)
+    return _child(_DEPTH_CHILD, checkpoint, cache_dir, mode, REGIONAL, timeout=1800)
 
 
 @pytest.mark.parametrize("layers", LAYERS)
@@ -133,7 +141,10 @@ def bench_start_by_depth(benchmark, layers, tmp_path):
         import_s=round(warm[0]["import_s"], 2),
         background_first_token_s=round(background["first_token_s"], 2),
         background_all_graphs_s=round(background["all_graphs_s"], 2),
+        regions=cold["regions"],
     )
-    print(f"\n{layers} layers: cold {cold['ready_s']:.1f} s, warm {warm[0]['ready_s']:.2f} s, "
+    kind = "regions" if cold["regions"] else "whole graphs"
+    print(f"\n{layers} layers ({kind}): cold {cold['ready_s']:.1f} s, "
+          f"warm {warm[0]['ready_s']:.2f} s, "
           f"background first token {background['first_token_s']:.2f} s (all graphs "
           f"{background['all_graphs_s']:.1f} s)")  # fmt: skip

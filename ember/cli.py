@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--shape",
         default="llama-160m",
         help="checkpoint shape to build when no --model is given "
-        "(llama-160m, qwen2-0.5b, or a tiny test shape)",
+        "(llama-160m, qwen2-0.5b, llama-1b, or a tiny test shape)",
     )
     bench_p.add_argument(
         "--compare",

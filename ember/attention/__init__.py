@@ -71,6 +71,13 @@ class AttentionBackend:
             return module.load_op(cpu_isa)
         return getattr(torch.ops.ember, self.op_name)
 
+    def load_opaque_op(self, cpu_isa: str | None = None) -> Callable[..., torch.Tensor] | None:
+        """The op with the cache write left out of its schema, for compiled regions
+        (`ember.compiler.regions`), or None where the backend has none (no regions)."""
+        module = importlib.import_module(self.module)
+        load = getattr(module, "load_opaque_op", None)
+        return load(cpu_isa) if load is not None else None
+
     def release(self) -> None:
         """Free the backend's per-process scratch memory (an engine closed), if it keeps any."""
         release = getattr(importlib.import_module(self.module), "release", None)

@@ -297,6 +297,9 @@ def attend_rest(
 paged_attention_op = define_op(
     "paged_attention", paged_attention, paged_attention_fake, mutates_args=("kv_cache",)
 )
+# The same op with the cache write left out of its schema, for compiled regions
+# (`ember.compiler.regions` says why that is sound).
+define_op("paged_attention_opaque", paged_attention, paged_attention_fake)
 define_op("paged_attention_rest", attend_rest, lambda *args: None, mutates_args=("out",))
 
 
@@ -306,3 +309,11 @@ def load_op(cpu_isa: str | None = None) -> torch._ops.OpOverloadPacket:
     if kernels.available(cpu_isa):
         return torch.ops.ember_cpu.paged_attention
     return torch.ops.ember.paged_attention
+
+
+def load_opaque_op(cpu_isa: str | None = None) -> torch._ops.OpOverloadPacket:
+    """`load_op`'s op with the cache write left out of its schema, for compiled regions:
+    `ember_cpu::paged_attention_opaque` or `ember::paged_attention_opaque`."""
+    if kernels.available(cpu_isa):
+        return torch.ops.ember_cpu.paged_attention_opaque
+    return torch.ops.ember.paged_attention_opaque

@@ -49,10 +49,11 @@ def key_parts(
     freezing: bool,
     dynamic_graph: bool,
     kv_dtype: torch.dtype,
+    regions: bool = False,
 ) -> dict[str, Any]:
     """The key of the graphs of `loaded` (as the loader built it: dtype, quantization, attention
     backend, LoRA slots) run with this bucket ladder, block size, KV cache dtype and inductor
-    settings."""
+    settings, whole-model or by regions (`ember.compiler.regions`)."""
     hf_config = loaded.spec.hf_config
     lora = loaded.lora
     model = json.loads(hf_config.to_json_string(use_diff=False))
@@ -71,6 +72,7 @@ def key_parts(
         "dynamic_graph": dynamic_graph,
         "block_size": block_size,
         "freezing": freezing,
+        "regions": regions,
         "attention_backend": loaded.attention_backend,
         "lora": [lora.max_loras, lora.max_rank] if lora else None,
         "quantization": loaded.quantization,

@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 from ember import kernels
 from ember.compiler.flat_call import flat_call
 from ember.compiler.loader import LoadedModel, embed_with_positions
+from ember.compiler.regions import apply_regions
 
 Forward = Callable[..., Any]
 logger = logging.getLogger("ember")
@@ -75,11 +76,15 @@ def build_forwards(
     buckets: tuple[int, ...],
     freezing: bool = False,
     token_hint: int | None = None,
+    regions: bool = False,
 ) -> Forwards:
     """Capture `loaded`'s forwards; with `compile`, as `CompiledForward`s over the static token
     `buckets` (plus one dynamic-token graph, compiled for steps of about `token_hint` tokens).
-    The KV caches' block count is a dynamic dim, so graphs do not depend on the cache size."""
+    The KV caches' block count is a dynamic dim, so graphs do not depend on the cache size.
+    `regions`: the decoder layers compile as regions (`ember.compiler.regions`)."""
     model, task = loaded.model, loaded.spec.task
+    if compile and regions:
+        apply_regions(model)
     vision = text = None
     if task == "embed":
         step = capture_hidden_forward(model, task)

@@ -21,6 +21,7 @@ from ember.attention.metadata import AttentionMetadata
 
 def _attention_forward(
     op: Callable[..., torch.Tensor],
+    opaque_op: Callable[..., torch.Tensor] | None,
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -36,6 +37,9 @@ def _attention_forward(
     head_dim].
 
     Returns attn_output [1, num_tokens, num_heads, head_dim], as HF's attention functions do.
+
+    In a compiled region (`ember.compiler.regions`) the layer's own cache arrives as
+    `kv_cache` and the backend's `opaque_op` (no mutation in its schema) runs instead of `op`.
     """
     meta: AttentionMetadata = kwargs["attn_metadata"]
     head_dim = query.shape[-1]
@@ -44,6 +48,13 @@ def _attention_forward(
     seq_lens: torch.Tensor | None = meta.seq_lens
     tables: torch.Tensor | None = meta.block_tables
     causal = bool(getattr(module, "is_causal", True))
+    if "kv_cache" in kwargs:
+        kv_cache = kwargs["kv_cache"]
+        if opaque_op is None:
+            raise RuntimeError("a compiled region ran on a backend without an opaque op")
+        op = opaque_op
+    else:
+        kv_cache = kwargs["kv_caches"][module.layer_idx]
     cross = getattr(module, "_ember_cross_attention", False)
     if cross == "ranges":
         # A vision-language model's cross-attention: each token attends its own range of its
@@ -51,7 +62,7 @@ def _attention_forward(
         # `ember.compiler.capture.capture_vision_forward`); HF's key/value are ignored.
         out = torch.ops.ember.cross_attention_ranges(
             query[0].transpose(0, 1),
-            kwargs["kv_caches"][module.layer_idx],
+            kv_cache,
             meta.query_start_loc,
             meta.cross_seq_lens,
             meta.cross_block_tables,
@@ -70,7 +81,7 @@ def _attention_forward(
         query[0].transpose(0, 1),
         key,
         value,
-        kwargs["kv_caches"][module.layer_idx],
+        kv_cache,
         slots,
         meta.query_start_loc,
         seq_lens,
@@ -95,7 +106,8 @@ def register_attention(
         AttentionInterface.register(name, _unresolved)
         return name
     op = backend.load_op(cpu_isa)
-    AttentionInterface.register(name, functools.partial(_attention_forward, op))
+    opaque = backend.load_opaque_op(cpu_isa)
+    AttentionInterface.register(name, functools.partial(_attention_forward, op, opaque))
     return name
 
 

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from ember.compiler.regions import allow_aliased_inputs
+
 _CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
@@ -123,6 +125,7 @@ def compile_settings(freezing: bool, inductor_cache_dir: str | None = None) -> I
       input itself, and a batch-1 llama-160m decode step ran 228 size asserts (0.13 ms of the
       step, cProfile).
     - `DedupePureOps`: one call per pure op and arguments (the fused q/k/v and gate/up GEMVs).
+    - regions may take inputs that alias one another (`ember.compiler.regions`).
     - `inductor_cache_dir`: where inductor keeps FX graphs and built C++ kernels while this
       context is open (torch reads it from the environment on every lookup); restored after.
     """
@@ -137,6 +140,7 @@ def compile_settings(freezing: bool, inductor_cache_dir: str | None = None) -> I
                 cache_size_limit=64,
                 accumulated_cache_size_limit=256,
             ),
+            allow_aliased_inputs(),
             torch._inductor.config.patch(
                 freezing=freezing,
                 size_asserts=False,

@@ -117,7 +117,8 @@ def _register_fakes() -> None:
     torch.library.register_fake("ember_cpu::pack_linear_weight", _pack_fake)
     torch.library.register_fake("ember_cpu::pack_bf16_pairs", _pack_pairs_fake)
     torch.library.register_fake("ember_cpu::group_linear", _group_linear_fake)
-    torch.library.register_fake("ember_cpu::paged_attention", _attention_fake)
+    for name in ("paged_attention", "paged_attention_opaque"):
+        torch.library.register_fake(f"ember_cpu::{name}", _attention_fake)
     torch.library.register_fake("ember_cpu::apply_token_bitmask", lambda logits, bitmask: None)
     torch.library.register_fake("ember_cpu::row_max", _row_max_fake)
     for name in ("group_pack_codes", "group_pack_blocks"):
@@ -381,7 +382,10 @@ def _build_and_load(isa: str) -> None:
 
 
 # The ops a compiled graph calls once per layer (or more); see `install_fast_calls`.
-FAST_OPS = ("group_linear", "packed_linear", "bf16_linear", "fp32_linear", "paged_attention")
+FAST_OPS = (
+    "group_linear", "packed_linear", "bf16_linear", "fp32_linear", "paged_attention",
+    "paged_attention_opaque",
+)  # fmt: skip
 # In torch's cache keys of graphs compiled once `install_fast_calls` ran.
 FAST_CALLS_TAG = "ember-fast-calls-1"
 # {op: the callable compiled graphs call for it}: the build's fast call, else the Python op.

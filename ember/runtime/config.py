@@ -124,6 +124,14 @@ class EngineArgs:
             "each switched in between steps when ready (graphs in the compile cache load first)"
         ),
     )
+    regional_compile: bool | None = field(
+        default=None,
+        metadata=_help(
+            "compile each distinct decoder layer once and reuse it for every layer of its kind "
+            "(cold compiles that do not grow with depth); default: models of "
+            "8 layers and more"
+        ),
+    )
     token_buckets: tuple[int, ...] = field(
         default=(1,),
         metadata=_help("comma-separated token counts with their own static graph"),
@@ -282,6 +290,7 @@ class EngineArgs:
             seed=self.seed,
             compile=self.compile,
             background_compile=self.background_compile,
+            regional_compile=self.regional_compile,
             compile_cache_dir=_compile_cache_dir(self.compile_cache_dir, self.freeze_weights),
             freeze_weights=self.freeze_weights,
             token_buckets=buckets or (1,),
@@ -306,7 +315,7 @@ class EngineArgs:
             kwargs: dict[str, Any] = {"help": f.metadata.get("help"), "default": f.default}
             if f.name == "model":
                 kwargs.update(default=None, help="local HF checkpoint dir, GGUF file or hub id")
-            elif f.default is True or f.default is False:
+            elif f.default is True or f.default is False or f.name == "regional_compile":
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif f.name == "limit_mm_per_prompt":
                 kwargs["type"] = json.loads
@@ -490,6 +499,7 @@ class EngineConfig:
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     background_compile: bool = False
     speculative_config: SpeculativeConfig | None = None
+    regional_compile: bool | None = None  # None: by layer count (`ember.compiler.regions`)
 
     def __post_init__(self) -> None:
         _check_range("kv_cache_gib", self.kv_cache_gib, 1e-6, 1024)

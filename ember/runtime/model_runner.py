@@ -32,6 +32,7 @@ from ember.compiler.capture import (
 )
 from ember.compiler.inductor import compile_settings, vec_isa_probes
 from ember.compiler.loader import LoadedModel
+from ember.compiler.regions import use_regions
 from ember.host import private_dir, zeroed_lazily
 from ember.lora.manager import LoRAManager
 from ember.runtime.batch import (
@@ -91,6 +92,15 @@ class ModelRunner:
         self.buckets = config.token_buckets
         self.decode_buffers = DecodeBuffers()
         self.background: BackgroundGraphs | None = None  # graphs compiling (background_compile)
+        # Decoder layers compiled as regions (`ember.compiler.regions`)?
+        self.regions = config.compile and use_regions(
+            loaded.model,
+            config.regional_compile,
+            loaded.spec.task == "generate"
+            and loaded.spec.multimodal is None
+            and not config.freeze_weights
+            and self.backend.load_opaque_op(config.cpu_isa) is not None,
+        )
         self.forwards = build_forwards(
             loaded,
             self.kv_caches,
@@ -98,6 +108,7 @@ class ModelRunner:
             self.buckets,
             config.freeze_weights,
             token_hint=config.max_num_batched_tokens,
+            regions=self.regions,
         )
         # An encoder-decoder step carries each request's cross context; a vision-language
         # step each request's image K/V and each token's range of them.
@@ -348,6 +359,7 @@ class ModelRunner:
             self.config.freeze_weights,
             len(self.graph_sizes) > len(self.buckets),
             self.config.kv_dtype,
+            self.regions,
         )
         record = cache.lookup(cache_dir, parts) if cache_dir is not None else None
         hit = record is not None

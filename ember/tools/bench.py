@@ -367,6 +367,8 @@ _GEMM_OPS = ("aten::mm", "aten::addmm", "aten::linear")
 _ATTENTION_OPS = (
     "ember_cpu::paged_attention",
     "ember::paged_attention",
+    "ember_cpu::paged_attention_opaque",  # in compiled regions (ember.compiler.regions)
+    "ember::paged_attention_opaque",
     "ember::paged_attention_ipex",
     "ember::paged_attention_triton",
 )

@@ -2,7 +2,7 @@
 
 No model hub is reachable, so the CLI, the tests and the benchmarks build their own small
 checkpoints with `save_pretrained` (safetensors). Shapes of real models are available for
-benchmarks (`llama-160m`, `qwen2-0.5b`).
+benchmarks (`llama-160m`, `qwen2-0.5b`, `llama-1b`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     PreTrainedTokenizerFast,
@@ -40,7 +41,12 @@ models on a tiny computer. It read the weights, wrote the cache and sampled the 
 Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: ( ) [ ] { } < > , . ; : ! ? ' " - _ /
 """
 
-_FAMILIES: dict[str, Any] = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+_FAMILIES: dict[str, Any] = {
+    "llama": LlamaConfig,
+    "qwen2": Qwen2Config,
+    "mistral": MistralConfig,
+    "gemma3": Gemma3TextConfig,
+}
 
 _TINY: dict[str, Any] = dict(
     hidden_size=64,
@@ -56,6 +62,18 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-llama": ("llama", _TINY),
     "tiny-qwen2": ("qwen2", _TINY),
     "tiny-mistral": ("mistral", dict(_TINY, num_key_value_heads=1, sliding_window=24)),
+    # Gemma 3's two kinds of layers: sliding-window (local rotary table) and global
+    "tiny-gemma3": (
+        "gemma3",
+        dict(
+            _TINY,
+            num_hidden_layers=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        ),
+    ),
     "small-llama": (
         "llama",
         dict(
@@ -76,6 +94,19 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             num_attention_heads=12,
             num_key_value_heads=4,
             vocab_size=32000,
+        ),
+    ),
+    "llama-1b": (  # Llama-3.2-1B's shape
+        "llama",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+            tie_word_embeddings=True,
         ),
     ),
     "qwen2-0.5b": (

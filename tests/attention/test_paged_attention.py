@@ -314,6 +314,45 @@ def test_torch_backend_ops_agree_and_opcheck(op_name, softcap):
     torch.library.opcheck(op.default, args)
 
 
+@pytest.mark.parametrize(
+    "op_name", ["ember::paged_attention_opaque", "ember_cpu::paged_attention_opaque"]
+)
+def test_opaque_ops_are_the_ops_without_the_cache_in_their_schema(op_name):
+    """Compiled regions (`ember.compiler.regions`) call the torch backend's op under a schema
+    that declares no mutation: the same arguments and result, the same output on the oracle's
+    mixed step (whose prefill reads what the op wrote to the cache). opcheck without its
+    schema test, which by design would find the undeclared cache write."""
+    from ember import kernels
+
+    if op_name.startswith("ember_cpu") and not kernels.available():
+        pytest.skip("no C++ compiler")
+    load_backend("torch")
+    namespace, name = op_name.split("::")
+    opaque = getattr(getattr(torch.ops, namespace), name).default
+    plain = getattr(torch.ops, namespace).paged_attention.default
+    assert not opaque._schema.is_mutable and plain._schema.is_mutable
+    assert [a.name for a in opaque._schema.arguments] == [a.name for a in plain._schema.arguments]
+    assert [str(a.type) for a in opaque._schema.arguments] == [
+        str(a.type) for a in plain._schema.arguments
+    ]
+    backend = select_backend("torch")
+    out, refs, n = _run_case(
+        (backend, getattr(getattr(torch.ops, namespace), name)), CASES["mixed"], 4, 2, 8, 4,
+        torch.float32,
+    )  # fmt: skip
+    torch.testing.assert_close(out[:n], torch.cat(refs), atol=2e-5, rtol=2e-5)
+    block_size, H, Hkv, D = 4, 4, 2, 8
+    kv_cache = torch.randn(backend.kv_cache_shape(8, block_size, Hkv, D))
+    meta, _ = build_attention_metadata([3, 0], [1, 6], [(1, 2), (3, 4)], block_size, 4, 9, 3)
+    args = (
+        torch.randn(9, H, D), torch.randn(9, Hkv, D), torch.randn(9, Hkv, D), kv_cache,
+        meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables, D**-0.5, 0,
+        0.0, True,
+    )  # fmt: skip
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(opaque, args, test_utils=utils)
+
+
 def test_cpp_decode_kernel_builds_here():
     """The C++ decode path is the one the engine takes on this machine (g++ is present, as
     inductor needs it too), so the oracle cases above exercise it."""

@@ -13,14 +13,18 @@ KW = dict(dtype="float32", kv_cache_gib=0.02, max_model_len=128, compile_cache_d
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
-def test_a_request_spanning_the_switch_gets_the_same_tokens(checkpoint_dir):
+@pytest.mark.parametrize("regional", [False, True], ids=["whole-graphs", "regions"])
+def test_a_request_spanning_the_switch_gets_the_same_tokens(checkpoint_dir, regional):
+    """Regions too (`ember serve` compiles in the background by default, and the default
+    model compiles by regions): the eager steps run the layers through the region calls."""
     d = checkpoint_dir("tiny-llama")
     prompts = [{"prompt_token_ids": p} for p in make_prompts(2, seed=5, low=4, high=12)]
     with LLM(model=d, compile=False, **KW) as eager:
         want = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
-    with LLM(model=d, background_compile=True, **KW) as llm:
+    with LLM(model=d, background_compile=True, regional_compile=regional, **KW) as llm:
         engine = llm.llm_engine
         runner = engine.runner
+        assert runner.regions is regional
         step = runner.forwards.step
         assert runner.background is not None and not step.graphs  # nothing compiled yet
         engine.add_request("spans", prompts[0], GREEDY)

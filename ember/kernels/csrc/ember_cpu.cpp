@@ -50,6 +50,13 @@ TORCH_LIBRARY(ember_cpu, m) {
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
       "Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
       "float scale, int sliding_window, float softcap, bool causal) -> Tensor");
+  // The same kernel with the cache's write left out of the schema, for compiled regions
+  // (`ember.compiler.regions`): a region's subgraph cannot hold a mutating custom op in
+  // torch 2.13. vLLM's attention op hides its cache the same way (it reads it from a context).
+  m.def(
+      "paged_attention_opaque(Tensor query, Tensor key, Tensor value, Tensor kv_cache, "
+      "Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
+      "float scale, int sliding_window, float softcap, bool causal) -> Tensor");
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask) -> ()");
   m.def("row_max(Tensor x) -> (Tensor, Tensor)");
   m.def("pack_linear_weight(Tensor w) -> Tensor");
@@ -73,6 +80,7 @@ TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
   m.impl("fp32_linear", &fp32_linear);
   m.impl("paged_attention_cpu", &paged_attention_cpu);
   m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_opaque", &paged_attention);
   m.impl("apply_token_bitmask", &apply_token_bitmask);
   m.impl("row_max", &row_max);
   m.impl("pack_linear_weight", &pack_linear_weight);

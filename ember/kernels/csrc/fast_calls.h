@@ -167,7 +167,9 @@ extern "C" PyObject* ember_cpu_fast_calls(PyObject* fallbacks) {
         add<at::Tensor(T, T, Opt)>(calls, fallbacks, "ember_cpu::bf16_linear") &&
         add<at::Tensor(T, T, Opt)>(calls, fallbacks, "ember_cpu::fp32_linear") &&
         add<at::Tensor(T, T, T, at::Tensor, T, T, T, T, double, int64_t, double, bool)>(
-            calls, fallbacks, "ember_cpu::paged_attention");
+            calls, fallbacks, "ember_cpu::paged_attention") &&
+        add<at::Tensor(T, T, T, at::Tensor, T, T, T, T, double, int64_t, double, bool)>(
+            calls, fallbacks, "ember_cpu::paged_attention_opaque");
     Py_XDECREF(impl);
     if (!ok) {
       Py_DECREF(calls);
