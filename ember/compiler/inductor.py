@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -92,6 +93,19 @@ def vec_isa_probes(known: Iterable[str] = ()) -> Iterator[list[str]]:
         yield passed
     finally:
         VecISA._probe_load = original
+
+
+@functools.cache
+def cpp_compiler_missing() -> str | None:
+    """Why inductor cannot build its C++ kernels here (no working compiler in
+    `torch._inductor.config.cpp.cxx`, i.e. g++ or $CXX), or None. Memoized per process."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001  (inductor's InvalidCxxCompiler, or a failing probe)
+        return str(e)
+    return None
 
 
 def tag_vec_isa() -> None:

@@ -341,9 +341,15 @@ def _start_compile(build: _Build) -> None:
         return
     logger.info("building ember_cpu kernels into %s (once per machine)", build.library)
     output = f"{build.library}.{os.getpid()}.tmp"
-    compiler = subprocess.Popen(
-        [*build.command, "-o", output], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
+    try:
+        compiler = subprocess.Popen(
+            [*build.command, "-o", output], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+    except OSError as e:
+        raise RuntimeError(
+            f"cannot build ember's C++ kernels: no C++ compiler ({build.command[0]!r}: {e}; "
+            "install g++ or clang++, or name one in $CXX)"
+        ) from e
     _compiling[build.library] = compiler, output
 
 
@@ -481,4 +487,4 @@ def available(isa: str | None = None) -> bool:
     isa = _resolved(isa)
     if _loaded_isa is not None and isa in (None, _loaded_isa):
         return True
-    return _build_failed(isa) is None
+    return _build_failed(isa or _default_isa()) is None  # one failure, one warning

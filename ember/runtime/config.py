@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+import logging
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -288,7 +290,7 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_model_len,
             seed=self.seed,
-            compile=self.compile,
+            compile=self.compile and _can_compile(),
             background_compile=self.background_compile,
             regional_compile=self.regional_compile,
             compile_cache_dir=_compile_cache_dir(self.compile_cache_dir, self.freeze_weights),
@@ -339,6 +341,20 @@ class EngineArgs:
         }
         values.update(overrides)
         return EngineArgs(**values)
+
+
+@functools.cache
+def _can_compile() -> bool:
+    """Whether graphs can compile here; without a C++ compiler (inductor builds C++ kernels)
+    engines run eagerly, which is said once per process."""
+    from ember.compiler.inductor import cpp_compiler_missing
+
+    why = cpp_compiler_missing()
+    if why is not None:
+        logging.getLogger("ember").warning(
+            "compile=True needs a C++ compiler (%s); running eagerly", why
+        )
+    return why is None
 
 
 def _compile_cache_dir(requested: str | None, freeze_weights: bool) -> str | None:
