@@ -253,25 +253,22 @@ def test_paged_attention_padding_rows_are_zero_and_harmless(backend):
     assert torch.count_nonzero(out[n:]) == 0
 
 
-def test_paged_attention_opcheck(backend):
-    backend, op = backend
+def _opcheck_args(backend, softcap: float = 0.0) -> tuple:
+    """A mixed step for opcheck (a decode and a 6-token prefill, padded to 9 tokens and 3
+    sequences): 4 query heads on 2 K/V heads of 8, 4-token blocks."""
     block_size, H, Hkv, D = 4, 4, 2, 8
     kv_cache = torch.randn(backend.kv_cache_shape(8, block_size, Hkv, D))
     meta, _ = build_attention_metadata([3, 0], [1, 6], [(1, 2), (3, 4)], block_size, 4, 9, 3)
-    args = (
-        torch.randn(9, H, D),
-        torch.randn(9, Hkv, D),
-        torch.randn(9, Hkv, D),
-        kv_cache,
-        meta.slot_mapping,
-        meta.query_start_loc,
-        meta.seq_lens,
-        meta.block_tables,
-        D**-0.5,
-        0,
-        0.0,
-        True,
-    )
+    return (
+        torch.randn(9, H, D), torch.randn(9, Hkv, D), torch.randn(9, Hkv, D), kv_cache,
+        meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables, D**-0.5, 0,
+        softcap, True,
+    )  # fmt: skip
+
+
+def test_paged_attention_opcheck(backend):
+    backend, op = backend
+    args = _opcheck_args(backend)
     utils = (
         "test_schema",
         "test_autograd_registration",
@@ -303,15 +300,7 @@ def test_torch_backend_ops_agree_and_opcheck(op_name, softcap):
         (backend, op), CASES["mixed"], 4, 2, 8, 4, torch.float32, softcap=softcap
     )
     torch.testing.assert_close(out[:n], torch.cat(refs), atol=2e-5, rtol=2e-5)
-    block_size, H, Hkv, D = 4, 4, 2, 8
-    kv_cache = torch.randn(backend.kv_cache_shape(8, block_size, Hkv, D))
-    meta, _ = build_attention_metadata([3, 0], [1, 6], [(1, 2), (3, 4)], block_size, 4, 9, 3)
-    args = (
-        torch.randn(9, H, D), torch.randn(9, Hkv, D), torch.randn(9, Hkv, D), kv_cache,
-        meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables, D**-0.5, 0,
-        softcap, True,
-    )  # fmt: skip
-    torch.library.opcheck(op.default, args)
+    torch.library.opcheck(op.default, _opcheck_args(backend, softcap))
 
 
 @pytest.mark.parametrize(
@@ -341,16 +330,8 @@ def test_opaque_ops_are_the_ops_without_the_cache_in_their_schema(op_name):
         torch.float32,
     )  # fmt: skip
     torch.testing.assert_close(out[:n], torch.cat(refs), atol=2e-5, rtol=2e-5)
-    block_size, H, Hkv, D = 4, 4, 2, 8
-    kv_cache = torch.randn(backend.kv_cache_shape(8, block_size, Hkv, D))
-    meta, _ = build_attention_metadata([3, 0], [1, 6], [(1, 2), (3, 4)], block_size, 4, 9, 3)
-    args = (
-        torch.randn(9, H, D), torch.randn(9, Hkv, D), torch.randn(9, Hkv, D), kv_cache,
-        meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables, D**-0.5, 0,
-        0.0, True,
-    )  # fmt: skip
     utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    torch.library.opcheck(opaque, args, test_utils=utils)
+    torch.library.opcheck(opaque, _opcheck_args(backend), test_utils=utils)
 
 
 def test_cpp_decode_kernel_builds_here():
