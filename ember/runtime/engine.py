@@ -20,6 +20,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import torch
 
 from ember.attention import get_backend
+from ember.compiler.capture import prewarm_graph_imports
 from ember.compiler.loader import LoadedModel, LoRAShape, load_model
 from ember.host import collapse_to_huge_pages
 from ember.lora.adapter import LoRARequest
@@ -174,6 +175,8 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, show_progress: bool = True) -> LLMEngine:
         """Load the model, size the KV cache and compile every bucket before returning."""
+        if config.compile:
+            prewarm_graph_imports()  # inductor's runtime imports, on a thread, while weights load
         loaded = _load(config)
         gib = config.kv_cache_gib
         draft = None

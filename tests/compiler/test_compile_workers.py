@@ -252,3 +252,25 @@ def test_stopping_background_graphs_stops_their_workers(scratch):
     assert not background.poll()  # still compiling
     background.stop()
     assert no_children_left() and not forward.eager_fallback and not scratch[0].exists()
+
+
+def test_inductors_runtime_imports_on_one_thread_while_weights_load():
+    """`prewarm_graph_imports` (called by every compiling engine before its weights load)
+    imports what each compiled graph's code imports on one thread per process; a fresh process,
+    since this one has imported inductor already."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, threading\n"
+        "from ember.compiler import capture\n"
+        "assert 'torch._inductor.select_algorithm' not in sys.modules\n"
+        "capture.prewarm_graph_imports(); first = capture._prewarm\n"
+        "capture.prewarm_graph_imports(); assert capture._prewarm is first\n"
+        "first.join(120)\n"
+        "assert 'torch._inductor.select_algorithm' in sys.modules\n"
+        "from torch._inductor.select_algorithm import extern_kernels\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
