@@ -175,8 +175,10 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, show_progress: bool = True) -> LLMEngine:
         """Load the model, size the KV cache and compile every bucket before returning."""
-        if config.compile:
-            prewarm_graph_imports()  # inductor's runtime imports, on a thread, while weights load
+        if config.compile and not config.background_compile:
+            # inductor's runtime imports on a thread while the weights load (not where graphs
+            # compile in the background: its workers fork at once, after the thread is done)
+            prewarm_graph_imports()
         loaded = _load(config)
         gib = config.kv_cache_gib
         draft = None
