@@ -264,7 +264,7 @@ def prewarm_graph_imports() -> None:
     starts with `from torch._inductor.select_algorithm import extern_kernels`) on a thread,
     once per process, so that the import overlaps the weights' loading, whose copies run
     without the GIL. A warm start of a Llama-3.2-1B shape (bf16, 2 cores): 6.82 / 6.53 s ->
-    5.24 / 5.95 s, the import ~1.7-2.0 s of it. Whoever imports the module meanwhile waits for
+    5.25 / 4.98 s, the import ~1.7-2.0 s of it. Whoever imports the module meanwhile waits for
     the thread under Python's own module lock."""
     global _prewarm
     if _prewarm is not None or "torch._inductor.select_algorithm" in sys.modules:
