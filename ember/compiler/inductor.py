@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -95,10 +94,9 @@ def vec_isa_probes(known: Iterable[str] = ()) -> Iterator[list[str]]:
         VecISA._probe_load = original
 
 
-@functools.cache
 def cpp_compiler_missing() -> str | None:
     """Why inductor cannot build its C++ kernels here (no working compiler in
-    `torch._inductor.config.cpp.cxx`, i.e. g++ or $CXX), or None. Memoized per process."""
+    `torch._inductor.config.cpp.cxx`, i.e. g++ or $CXX), or None."""
     from torch._inductor.cpp_builder import get_cpp_compiler
 
     try:

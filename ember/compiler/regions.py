@@ -101,24 +101,23 @@ def apply_regions(model: torch.nn.Module) -> int:
     layers = decoder_layers(model) or []
     for layer in layers:
         if "forward" not in vars(layer):
-            layer._ember_kv_index = _kv_index(layer)
-            layer.forward = _RegionCall(layer)
+            layer.forward = _RegionCall(layer, _kv_index(layer))
     return len(layers)
 
 
 class _RegionCall:
-    """A layer's `forward`: takes this layer's cache out of `kv_caches` and the metadata's
-    tensors out of their dataclass, and calls the region."""
+    """A layer's `forward`: takes this layer's cache (`kv_index`) out of `kv_caches` and the
+    metadata's tensors out of their dataclass, and calls the region."""
 
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: torch.nn.Module, kv_index: int) -> None:
         self.layer = layer
+        self.kv_index = kv_index
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        layer = self.layer
-        kv_cache = kwargs.pop("kv_caches")[layer._ember_kv_index]
+        kv_cache = kwargs.pop("kv_caches")[self.kv_index]
         meta: AttentionMetadata = kwargs.pop("attn_metadata")
         fields = tuple(getattr(meta, f.name) for f in dataclasses.fields(meta))
-        return _layer_region(layer, hidden_states, kv_cache, fields, args, kwargs)
+        return _layer_region(self.layer, hidden_states, kv_cache, fields, args, kwargs)
 
 
 def _layer(
