@@ -5,8 +5,13 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
+import os
 import sys
+import threading
 from collections.abc import Sequence
+from typing import NoReturn
 
 from ember.host import CPU_ISAS
 
@@ -33,7 +38,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             kernels.prebuild(isa)
     from ember.cli import main as cli_main
 
-    return cli_main(args)
+    code = cli_main(args)
+    if argv is None:  # the `ember` command itself: nothing runs after it in this process
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int | None) -> NoReturn:
+    """Exit as the interpreter would (non-daemon threads joined, `atexit` functions run,
+    standard streams flushed), without tearing down every module and object: that teardown
+    walks everything torch, transformers and sympy built at import, 0.8-0.9 s of a 5 s
+    `ember generate` on the default model (measured on a 2-core Intel Xeon: 4.89-5.05 s ->
+    4.09-4.17 s), to free memory the OS takes back anyway."""
+    main_thread = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main_thread and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed pipe: nothing more to say there
+            stream.flush()
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":

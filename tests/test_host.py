@@ -440,6 +440,35 @@ def test_the_ember_command_reads_the_cpu_isa_flag():
     assert _cpu_isa(["--prompt", "x", "--cpu", "avx2"]) == "avx2"
 
 
+_EXIT_CHILD = """
+import atexit, sys, threading, time
+from ember.entry import _exit_now
+
+def late():
+    time.sleep(0.3)
+    print("thread done")
+
+threading.Thread(target=late).start()  # not a daemon: the interpreter would wait for it
+atexit.register(lambda: print("atexit ran"))
+print("buffered", end="")  # stdout is a pipe here: block-buffered until flushed
+_exit_now(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_the_ember_command_exits_as_the_interpreter_would(code):
+    """`ember` leaves without the interpreter's teardown (`_exit_now`), yet as it would: the
+    command's exit status, non-daemon threads finished, atexit functions run, output flushed."""
+    import subprocess
+    import sys
+
+    child = subprocess.run(
+        [sys.executable, "-c", _EXIT_CHILD, str(code)], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == code, child.stderr[-2000:]
+    assert child.stdout == "bufferedthread done\natexit ran\n"
+
+
 _FAILED_BUILD_CHILD = """
 from ember import kernels
 kernels.prebuild("native")  # starts the (failing) compiler; the thread's load fails quietly

@@ -115,6 +115,34 @@ def load_model(
     if spec.multimodal is not None:
         # The vision tower attends within each image, unpaged: transformers' SDPA, as in HF.
         attn = {"": attn, "text_config": attn, "vision_config": "sdpa"}
+    entry = None
+    if lora is None:  # LoRA's slot tensors are shared outside the model: always built afresh
+        # Kernels first: whether they load decides the model's layout (and the key says so).
+        uses_kernels = (quantization is not None or kernel_linears or narrow) and (
+            kernels.available(cpu_isa)
+        )
+        entry = packed_cache.entry_path(
+            packed_cache.checkpoint_files(spec.model_dir),
+            {
+                "checkpoint": os.path.realpath(spec.model_dir),
+                "dtype": str(dtype),
+                "weight_dtype": str(weight_dtype),
+                "quantization": quantization,
+                "kernel_linears": kernel_linears,
+                "kernels": uses_kernels and (kernels.loaded_isa(), kernels.panel_width()),
+                "attention": attn,
+                "model_class": f"{spec.auto_class.__module__}.{spec.auto_class.__qualname__}",
+                "task": spec.task,
+                "config": packed_cache.config_digest(spec.hf_config),
+                "load_format": load_format,
+            },
+        )
+        model = packed_cache.load(entry)  # the model a previous load built, mapped back
+        if model is not None:
+            return _loaded(
+                model, spec, load_tokenizer(spec.model_dir), dtype, weight_dtype, quantization,
+                backend, cpu_isa,
+            )  # fmt: skip
     try:
         model = spec.auto_class.from_pretrained(
             spec.model_dir,
@@ -152,7 +180,7 @@ def load_model(
     tokenizer = load_tokenizer(spec.model_dir)
     return _loaded(
         model, spec, tokenizer, dtype, weight_dtype, quantization, backend, cpu_isa, lora,
-        layers, token_slots,
+        layers, token_slots, cache_entry=entry,
     )  # fmt: skip
 
 
@@ -168,10 +196,15 @@ def _loaded(
     lora: LoRAShape | None = None,
     lora_layers: dict[str, LoRALinear] | None = None,
     lora_token_slots: torch.Tensor | None = None,
+    cache_entry: str | None = None,
 ) -> LoadedModel:
+    """The `LoadedModel` of `model`, its weights moved to huge pages, then written to the
+    weights cache at `cache_entry` (on a thread, from where they will stay: the writer holds
+    no second copy)."""
     if lora is None:  # LoRA's slot tensors are also held outside the model: left in place
         moved = move_to_huge_pages([*model.parameters(), *model.buffers()])
         logger.debug("weights moved to huge pages: %.1f MB", moved / 1e6)
+    packed_cache.save(cache_entry, model)
     release_free_heap()  # after every temporary of the load, the tokenizer's included
     return LoadedModel(
         model=model,
@@ -249,7 +282,18 @@ def _widen_all_but_linear_weights(model: PreTrainedModel, dtype: torch.dtype) ->
         for name, buf in list(module.named_buffers(recurse=False)):
             if buf.is_floating_point() and buf.dtype != dtype and id(buf) not in keep:
                 module._buffers[name] = buf.to(dtype)
-    embed.register_forward_hook(lambda _module, _args, out: out.to(dtype))
+    embed.register_forward_hook(_WidenOutput(dtype))
+
+
+class _WidenOutput:
+    """A forward hook that casts a module's output to `dtype` (a class, not a lambda: the
+    weights cache pickles the model with its hooks)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, _module: Any, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        return out.to(self.dtype)
 
 
 def _release_checkpoint_mapping(model: PreTrainedModel, model_dir: str) -> None:

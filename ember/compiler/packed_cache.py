@@ -1,17 +1,20 @@
-"""A GGUF file's model as ember's loader built it, kept on disk and mapped back on later loads.
+"""A model as ember's loader built it (from a GGUF file or a checkpoint's safetensors), kept on
+disk and mapped back on later loads.
 
-Loading a GGUF file lays its weights out in the kernels' panels (`GroupLinear`, `PackedLinear`):
+Loading a GGUF file lays its weights out in the kernels' panels (`GroupLinear`, `PackedLinear`);
+loading a checkpoint fuses its projections and repacks or quantizes its linears. Either way
 the whole model is written into fresh anonymous memory, and on the VMs ember is measured on,
 faulting fresh memory in costs more than the packing itself (AMD EPYC, KVM: ~40 ms per 128 MB
 in 4 KiB pages, 60-225 ms as huge pages, while a mapped file in the page cache reads at ~6 ms
 per 128 MB), and the two contend for the process's two cores with the load's Python. So after
 a first load, ember writes the model it built to a file in its cache (`~/.cache/ember/weights`),
-and a later load of the same GGUF file maps that file back, as llama.cpp maps its GGUF file:
+and a later load of the same file maps that file back, as llama.cpp maps its GGUF file:
 no packing, no fresh memory, the page cache's pages shared by every process that loads it.
 
-The entry is keyed by everything the built model depends on: the GGUF file (real path, size,
-mtime), ember's sources, the torch and transformers versions, the kernels' panel width and
-ISA, the attention implementation, the model class and config. It is one file: `_MAGIC`, the
+The entry is keyed by everything the built model depends on: the weight files (real path,
+size, mtime of each), ember's sources, the torch and transformers versions, the kernels'
+panel width and ISA, the attention implementation, the model class and config, and for a
+checkpoint the dtypes and quantization it was loaded with. It is one file: `_MAGIC`, the
 pickle's offset and length, the tensors' bytes (each storage's used range, placed at the same
 offset within a page as in memory, so every tensor keeps its alignment), then a pickle of the
 model whose tensors are persistent ids into those bytes. The map is private (copy on write): a
@@ -64,10 +67,10 @@ def max_bytes() -> int:
     return int(gib * (1 << 30))
 
 
-def entry_path(path: str, parts: dict[str, Any]) -> str | None:
-    """Where the model built from the GGUF file `path` with `parts` (what else it depends on)
-    is kept; None where the cache is off, the file is missing or there is no usable
-    directory."""
+def entry_path(paths: str | list[str], parts: dict[str, Any]) -> str | None:
+    """Where the model built from the weight file(s) `paths` (a GGUF file, a checkpoint's
+    `checkpoint_files`) with `parts` (what else it depends on) is kept; None where the cache
+    is off, a file is missing or there is no usable directory."""
     if max_bytes() == 0:
         return None
     import transformers
@@ -75,11 +78,11 @@ def entry_path(path: str, parts: dict[str, Any]) -> str | None:
     from ember.compiler.cache import entry_dir, sources_fingerprint
     from ember.compiler.gguf import file_identity
 
-    file = file_identity(path)
-    if file is None:
+    files = [file_identity(p) for p in ([paths] if isinstance(paths, str) else paths)]
+    if not files or any(f is None for f in files):
         return None
     ident = {
-        "file": list(file),
+        "files": [list(f) for f in files],
         "ember_sources_sha256": sources_fingerprint(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -88,6 +91,17 @@ def entry_path(path: str, parts: dict[str, Any]) -> str | None:
     }
     directory = private_dir(user_cache_dir("weights"), "weights cache")
     return None if directory is None else entry_dir(directory, ident) + ".pkd"
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    """The files of the checkpoint in `model_dir` that its weights are read from (safetensors,
+    PyTorch .bin files and their indexes), sorted; empty where there are none."""
+    try:
+        names = sorted(os.listdir(model_dir))
+    except OSError:
+        return []
+    weights = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
+    return [os.path.join(model_dir, n) for n in names if n.endswith(weights)]
 
 
 def config_digest(config: Any) -> str:
@@ -144,8 +158,8 @@ def save(entry: str | None, model: nn.Module) -> None:
     pickler = _Pickler(body)
     try:
         pickler.dump(model)
-    except (_NotCacheable, pickle.PicklingError, TypeError, AttributeError) as e:
-        logger.info("GGUF weights not cached: %s", e)
+    except Exception as e:  # noqa: BLE001  (whatever cannot be pickled: built afresh next time)
+        logger.info("weights not cached: %s", e)
         return
     tensors = pickler.tensors
     # Each storage's used bytes, once, at the same offset within a page as in memory.
@@ -174,7 +188,7 @@ def save(entry: str | None, model: nn.Module) -> None:
     tail = pickle.dumps((table, body.getvalue()), protocol=pickle.HIGHEST_PROTOCOL)
     size, cap = cursor + len(tail), max_bytes()
     if size > cap:
-        logger.info("GGUF weights not cached: %d MB, over the cap of %d MB", size >> 20, cap >> 20)
+        logger.info("weights not cached: %d MB, over the cap of %d MB", size >> 20, cap >> 20)
         return
     regions = []
     for base, (lo, hi) in ranges.items():
@@ -227,7 +241,7 @@ def _write(
         os.replace(tmp, entry)
         tmp = None
     except OSError as e:
-        logger.info("GGUF weights not cached in %s: %s", entry, e)
+        logger.info("weights not cached in %s: %s", entry, e)
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):
@@ -278,10 +292,10 @@ def load(entry: str | None) -> nn.Module | None:
         table, body = pickle.loads(mapped[offset : offset + length])
         model = _Unpickler(io.BytesIO(body), whole, table).load()
     except Exception as e:  # noqa: BLE001  (any failure to read it back: build afresh)
-        logger.warning("loading the GGUF weights afresh: cannot read %s (%s)", entry, e)
+        logger.warning("loading the weights afresh: cannot read %s (%s)", entry, e)
         return None
     if not isinstance(model, nn.Module):
-        logger.warning("loading the GGUF weights afresh: %s holds no model", entry)
+        logger.warning("loading the weights afresh: %s holds no model", entry)
         return None
     touch(entry)
     return model

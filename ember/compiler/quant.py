@@ -35,7 +35,7 @@ run dtype, since a lookup reads one row of it). Symmetric per-output-channel sca
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -203,12 +203,23 @@ class GemvLinear(nn.Module):
         self.out_features = linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        if self.weight.dtype == torch.bfloat16:
-            self.op = torch.ops.ember_cpu.bf16_linear.default
-        elif self.weight.dtype == torch.float32:
-            self.op = torch.ops.ember_cpu.fp32_linear.default
-        else:
-            raise ValueError(f"GemvLinear needs a bf16 or fp32 weight, got {self.weight.dtype}")
+        self.op = self._op(self.weight.dtype)
+
+    @staticmethod
+    def _op(dtype: torch.dtype) -> Any:
+        if dtype == torch.bfloat16:
+            return torch.ops.ember_cpu.bf16_linear.default
+        if dtype == torch.float32:
+            return torch.ops.ember_cpu.fp32_linear.default
+        raise ValueError(f"GemvLinear needs a bf16 or fp32 weight, got {dtype}")
+
+    def __getstate__(self) -> dict[str, Any]:  # the op is looked up again (`packed_cache`)
+        return {k: v for k, v in self.__dict__.items() if k != "op"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        kernels.load()
+        self.op = self._op(self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x, self.weight, self.bias)
