@@ -449,6 +449,9 @@ def late():
     print("thread done")
 
 threading.Thread(target=late).start()  # not a daemon: the interpreter would wait for it
+from concurrent.futures import ThreadPoolExecutor
+pool = ThreadPoolExecutor(2)  # idle workers, stopped by its exit hook
+pool.submit(time.sleep, 0.01).result()
 atexit.register(lambda: print("atexit ran"))
 print("buffered", end="")  # stdout is a pipe here: block-buffered until flushed
 _exit_now(int(sys.argv[1]))
