@@ -84,6 +84,7 @@ def load_model(
     kernel_linears: bool = True,
     cpu_isa: str = "native",
     load_format: str = "safetensors",
+    quantize_activations: bool = True,
 ) -> LoadedModel:
     """Load `spec`'s weights (safetensors, offline), eval mode, with every rewrite above: the
     causal LM, the encoder-decoder LM, or the encoder base model of an embedding model.
@@ -95,7 +96,8 @@ def load_model(
     `kernel_linears`: route bf16/fp32 linears through ember's GEMV (off for frozen graphs,
     whose linears inductor prepacks). `load_format`: "safetensors" (only) or "auto" (PyTorch
     .bin files when there are no safetensors); the checkpoint's own code never runs
-    (`trust_remote_code=False`).
+    (`trust_remote_code=False`). `quantize_activations=False`: int8 linears multiply fp32
+    activations (`Int8Linear`).
     """
     if spec.gguf_file is not None:
         model, tokenizer = _load_gguf(spec, dtype, backend, cpu_isa)
@@ -128,6 +130,7 @@ def load_model(
                 "dtype": str(dtype),
                 "weight_dtype": str(weight_dtype),
                 "quantization": quantization,
+                "quantize_activations": quantize_activations,
                 "kernel_linears": kernel_linears,
                 "kernels": uses_kernels and (kernels.loaded_isa(), kernels.panel_width()),
                 "attention": attn,
@@ -168,7 +171,7 @@ def load_model(
         fuse_projections_(model, consumed)
     if quantization == "int8":
         kernels.load(cpu_isa)
-        quantize_int8_(model, consumed)
+        quantize_int8_(model, consumed, int8_activations=quantize_activations)
     elif quantization == "int4":
         kernels.load(cpu_isa)
         quantize_int4_(model, consumed=consumed)

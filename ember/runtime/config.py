@@ -73,17 +73,26 @@ class EngineArgs:
         metadata=_help(
             "linear weights: auto = a 16-bit checkpoint's in bfloat16, an fp32 one's in "
             "float32 (the math is bfloat16 only where the CPU has native bf16 math, else "
-            "float32); float16 is cast to bfloat16; int8 = weight-only int8 (per-channel "
-            "scales), float32 activations and math",
+            "float32); float16 is cast to bfloat16; int8 = quantization=int8 (per-channel "
+            "scales) with float32 math",
             choices=DTYPE_CHOICES,
         ),
     )
     quantization: str | None = field(
         default=None,
         metadata=_help(
-            "weight-only quantization of every linear layer (math in float32): int8 = one "
+            "quantization of every linear layer's weights (activations in float32, quantized "
+            "to int8 per group of 32 for the products: see quantize_activations): int8 = one "
             "scale per output channel, int4 = groups of 32 with a scale and offset each",
             choices=QUANTIZATIONS,
+        ),
+    )
+    quantize_activations: bool = field(
+        default=True,
+        metadata=_help(
+            "quantized linears quantize their input to int8 per group of 32 and multiply in "
+            "integers (llama.cpp's and OpenVINO's scheme); off: float32 activations, for "
+            "quantization=int8 only (the group-quantized int4 and GGUF linears always quantize)"
         ),
     )
     kv_cache_dtype: str | torch.dtype = field(
@@ -283,6 +292,7 @@ class EngineArgs:
             weight_dtype=weight_dtype,
             kv_dtype=kv_dtype,
             quantization=quantization,
+            quantize_activations=self.quantize_activations,
             cpu_isa=cpu_isa,
             kv_cache_gib=self.kv_cache_gib,
             block_size=self.block_size,
@@ -516,6 +526,8 @@ class EngineConfig:
     background_compile: bool = False
     speculative_config: SpeculativeConfig | None = None
     regional_compile: bool | None = None  # None: by layer count (`ember.compiler.regions`)
+    # Quantized linears quantize their input to int8 (False: fp32 activations, int8 only).
+    quantize_activations: bool = True
 
     def __post_init__(self) -> None:
         _check_range("kv_cache_gib", self.kv_cache_gib, 1e-6, 1024)
@@ -581,11 +593,22 @@ class EngineConfig:
                     f"quantization={self.quantization!r} computes in float32; dtype must be "
                     f"float32, got {self.dtype}"
                 )
-            if self.enable_lora or self.task != "generate":
+            if self.enable_lora or self.task not in ("generate", "embed"):
                 raise ValueError(
                     f"quantization={self.quantization!r} supports decoder-only LMs without "
-                    "LoRA (enable_lora=False)"
+                    "LoRA (enable_lora=False) and embedding models"
                 )
+        if not isinstance(self.quantize_activations, bool):
+            raise ValueError(
+                f"quantize_activations must be True or False, got {self.quantize_activations!r}"
+            )
+        if not self.quantize_activations and self.quantization != "int8":
+            raise ValueError(
+                "quantize_activations=False needs quantization='int8' (per-channel weights), "
+                f"got quantization={self.quantization!r}"
+                + (" and a GGUF file" if self.model_spec.gguf_file is not None else "")
+                + ": the group-quantized linears (int4, GGUF files) always quantize activations"
+            )
         if self.speculative_config is not None and self.task != "generate":
             raise ValueError(
                 f"speculative_config needs a decoder-only LM; this model is {self.task}"

@@ -693,6 +693,7 @@ def _load(config: EngineConfig) -> LoadedModel:
         kernel_linears=not config.freeze_weights,
         cpu_isa=config.cpu_isa,
         load_format=config.load_format,
+        quantize_activations=config.quantize_activations,
     )
 
 

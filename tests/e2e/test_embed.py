@@ -62,6 +62,42 @@ def test_tiny_bert_mixed_lengths_match_hf(tiny_bert):
     assert llm.llm_engine.num_free_blocks() == llm.llm_engine.block_manager.num_usable_blocks
 
 
+@pytest.mark.host_isa
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_int8_embeddings_stay_close_to_hf_fp32(tiny_bert, compile):
+    """`quantization="int8"` on an embedding model: every linear holds int8 codes and
+    multiplies int8 activations; the embeddings stay within cosine 0.99 of HF's fp32 ones."""
+    from ember.compiler.quant import Int8Linear
+
+    prompts = make_prompts(9, seed=4, low=2, high=60, vocab=300)
+    with LLM(
+        model=tiny_bert,
+        compile=compile,
+        quantization="int8",
+        kv_cache_gib=0.01,
+        block_size=4,
+        max_num_batched_tokens=96,
+        use_tqdm=False,
+    ) as llm:
+        model = llm.llm_engine.runner.model
+        assert not any(type(m) is torch.nn.Linear for m in model.modules())
+        linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
+        assert linears and all(m.int8_activations for m in linears)
+        got = torch.tensor([o.outputs.embedding for o in llm.embed(_ids(prompts))])
+    hf = AutoModel.from_pretrained(tiny_bert).eval()
+    width = max(map(len, prompts))
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    want = _hf_mean_pooled(hf, {"input_ids": ids, "attention_mask": mask})
+    cosine = F.cosine_similarity(got, want, dim=-1)
+    assert cosine.min() >= 0.99, cosine
+    assert not torch.allclose(got, want, atol=1e-5)  # quantized: not the fp32 path
+
+
+def _ids(prompts: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
 def test_embedding_model_rejects_generate_and_bad_input(tiny_bert):
     llm = LLM(model=tiny_bert, compile=False, dtype="float32", kv_cache_gib=0.01)
     with pytest.raises(ValueError, match="embedding model: use LLM.embed"):

@@ -367,6 +367,127 @@ void attend_rows(float* op, const float* qp, const at::Tensor& cache,
   });
 }
 
+#ifdef EMBER_SIMD
+// s[0 : NV * kLanes] = sc * (q . k_j) for the positions j of NV vectors of a chunk's
+// transposed K rows (kt: [D, Lp] from their first position): one broadcast of q[d] shared by
+// NV independent FMA chains.
+template <int NV>
+inline void chunk_scores(const float* q, const float* kt, int64_t Lp, int64_t D, float sc,
+                         float* s) {
+  vfloat a[NV];
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) a[v] = vzero();
+  for (int64_t d = 0; d < D; ++d, kt += Lp) {
+    const vfloat b = vset1(q[d]);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) a[v] = vfma(b, vload(kt + v * kLanes), a[v]);
+  }
+  const vfloat scale = vset1(sc);
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) vstore(s + v * kLanes, vmul(a[v], scale));
+}
+
+// A prefill chunk (its query rows t0 .. t0 + q_len - 1, at positions len - q_len ..) of
+// sequence seq, attended by the query heads of one K/V head h: the chunk's K rows are gathered
+// once, transposed ([D, L] in fp32), and its V rows ([L, D]), so every query row's scores are
+// D broadcast FMAs per kLanes positions (no transpose-and-add tree per block, as a decode's
+// are) and its weighted sum one FMA per position and D-slice. The rows r = slice, slice +
+// slices, ... only (a causal chunk's short and long rows interleaved: equal work per slice).
+// `kt`, `vv`, `s`: scratch of D * round_up(len, kLanes), len * D and round_up(len, kLanes) +
+// kLanes floats.
+template <typename C>
+void attend_chunk_head(float* op, const float* qp, const C* kp, const C* vp,
+                       const int64_t* table, int64_t BS, int64_t Hkv, int64_t H, int64_t D,
+                       int64_t h, int64_t t0, int64_t q_len, int64_t len, int64_t slice,
+                       int64_t slices, bool causal, int64_t sliding_window, float sc, float* kt,
+                       float* vv, float* s) {
+  const int64_t Lp = (len + kLanes - 1) / kLanes * kLanes, stride = Hkv * D;
+  const int64_t group = H / Hkv;
+  // The context every row reads: [0, len) (a sliding window starts later, never earlier).
+  for (int64_t j = 0; j < len; ++j) {
+    const int64_t slot = table[j / BS] * BS + j % BS;
+    const C* kr = kp + slot * stride + h * D;
+    const C* vr = vp + slot * stride + h * D;
+    for (int64_t d = 0; d < D; d += kLanes) vstore(vv + j * D + d, vwiden(vr + d));
+    for (int64_t d = 0; d < D; ++d) kt[d * Lp + j] = to_float(kr[d]);
+  }
+  for (int64_t d = 0; d < D; ++d) std::fill(kt + d * Lp + len, kt + (d + 1) * Lp, 0.f);
+  for (int64_t r = slice; r < q_len; r += slices) {
+    const int64_t p = len - q_len + r;
+    const int64_t hi = causal ? p + 1 : len;
+    const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
+    const int64_t j0 = lo / kLanes * kLanes;  // whole vectors of positions from here
+    for (int64_t g = h * group; g < (h + 1) * group; ++g) {
+      const float* q = qp + ((t0 + r) * H + g) * D;
+      for (int64_t j = j0; j < hi; j += 4 * kLanes) {
+        switch (std::min<int64_t>(4, (hi - j + kLanes - 1) / kLanes)) {
+          case 4: chunk_scores<4>(q, kt + j, Lp, D, sc, s + j); break;
+          case 3: chunk_scores<3>(q, kt + j, Lp, D, sc, s + j); break;
+          case 2: chunk_scores<2>(q, kt + j, Lp, D, sc, s + j); break;
+          default: chunk_scores<1>(q, kt + j, Lp, D, sc, s + j); break;
+        }
+      }
+      for (int64_t j = j0; j < lo; ++j) s[j] = -INFINITY;  // before the window
+      const float mx = scores_max(s + lo, hi - lo);
+      const float l = exp_scores(s + lo, hi - lo, mx);
+      float* o = op + ((t0 + r) * H + g) * D;
+      std::fill(o, o + D, 0.f);
+      for (int64_t d = 0; d < D;) {
+        const int64_t left = (D - d) / kLanes;
+        const float* v = vv + lo * D + d;
+        if (left >= 8) {
+          add_weighted_rows<8>(o + d, 0.f, s + lo, v, D, hi - lo);
+        } else if (left >= 4) {
+          add_weighted_rows<4>(o + d, 0.f, s + lo, v, D, hi - lo);
+        } else if (left >= 2) {
+          add_weighted_rows<2>(o + d, 0.f, s + lo, v, D, hi - lo);
+        } else {
+          add_weighted_rows<1>(o + d, 0.f, s + lo, v, D, hi - lo);
+        }
+        d += kLanes * (left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1);
+      }
+      const vfloat inv = vset1(l > 0.f ? 1.f / l : 0.f);
+      for (int64_t d = 0; d < D; d += kLanes) vstore(o + d, vmul(vload(o + d), inv));
+    }
+  }
+}
+
+// A step's prefill chunks (sequence, first query token, query rows, context length) attended
+// by `attend_chunk_head`, in parallel over (chunk, K/V head, slice of rows) tasks: enough
+// slices for 4 tasks a thread, none under 16 rows. q, out: [T, H, D] float32.
+struct Chunk {
+  int64_t seq, t0, q_len, len;
+};
+
+template <typename C>
+void attend_chunks(float* op, const float* qp, const at::Tensor& cache,
+                   const std::vector<Chunk>& chunks, const int64_t* tables, int64_t max_blocks,
+                   int64_t H, float sc, bool causal, int64_t sliding_window) {
+  const int64_t NB = cache.size(1), BS = cache.size(2), Hkv = cache.size(3), D = cache.size(4);
+  const C* kp = cache.data_ptr<C>();
+  const C* vp = kp + NB * BS * Hkv * D;
+  const int64_t n = static_cast<int64_t>(chunks.size()), threads = at::get_num_threads();
+  int64_t longest = 0, shortest = INT64_MAX;
+  for (const Chunk& c : chunks) {
+    longest = std::max(longest, c.len);
+    shortest = std::min(shortest, c.q_len);
+  }
+  const int64_t want = (4 * threads + n * Hkv - 1) / (n * Hkv);
+  const int64_t slices = std::max<int64_t>(1, std::min(want, shortest / 16));
+  const int64_t Lp = (longest + kLanes - 1) / kLanes * kLanes;
+  at::parallel_for(0, n * Hkv * slices, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> kt(D * Lp), vv(longest * D), s(Lp + kLanes);
+    for (int64_t u = u0; u < u1; ++u) {
+      const Chunk& c = chunks[u / (Hkv * slices)];
+      const int64_t h = u / slices % Hkv, slice = u % slices;
+      attend_chunk_head(op, qp, kp, vp, tables + c.seq * max_blocks, BS, Hkv, H, D, h, c.t0,
+                        c.q_len, c.len, slice, slices, causal, sliding_window, sc, kt.data(),
+                        vv.data(), s.data());
+    }
+  });
+}
+#endif
+
 // An index tensor's values as contiguous int64: its own data when it is that already, else
 // widened into `buf` (the runner's int32 metadata) without an ATen allocation per call.
 const int64_t* as_int64(const at::Tensor& t, std::vector<int64_t>& buf) {
@@ -462,7 +583,20 @@ int64_t attend_step(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
       }
     }
   }
-  if (!chunk_rows.empty() && chunk_positions <= kChunkRowsMaxPositions) {
+#ifdef EMBER_SIMD
+  // Chunks by tiles of their own (`attend_chunks`) where D fills whole vectors.
+  const bool tiles = query.size(2) % kLanes == 0;
+#else
+  const bool tiles = false;
+#endif
+  std::vector<Chunk> chunk_list;
+  if (!chunk_rows.empty() && chunk_positions <= kChunkRowsMaxPositions && tiles) {
+    flags = 0;
+    for (int64_t i = 0; i < seq_lens.numel(); ++i) {
+      const int64_t q_len = qsl[i + 1] - qsl[i];
+      if (q_len > 1) chunk_list.push_back({i, qsl[i], q_len, lens[i]});
+    }
+  } else if (!chunk_rows.empty() && chunk_positions <= kChunkRowsMaxPositions) {
     const size_t first = rows.size();
     rows.insert(rows.end(), chunk_rows.begin(), chunk_rows.end());
     flags = 0;
@@ -471,18 +605,28 @@ int64_t attend_step(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
       balance_chunk(rows, i, j);
     }
   }
-  if (rows.empty()) return flags;
+  if (rows.empty() && chunk_list.empty()) return flags;
   const at::Tensor q = query.to(at::kFloat).contiguous();
   const int64_t* tables = as_int64(block_tables, tables_buf);
   const int64_t max_blocks = block_tables.size(1);
   const float sc = static_cast<float>(scale);
-  if (cache.scalar_type() == at::kFloat) {
+  const bool fp32 = cache.scalar_type() == at::kFloat;
+  if (!rows.empty() && fp32) {
     attend_rows<float>(out.data_ptr<float>(), q.data_ptr<float>(), cache, rows, tables,
                        max_blocks, H, sc, split_min_tokens);
-  } else {
+  } else if (!rows.empty()) {
     attend_rows<c10::BFloat16>(out.data_ptr<float>(), q.data_ptr<float>(), cache, rows, tables,
                                max_blocks, H, sc, split_min_tokens);
   }
+#ifdef EMBER_SIMD
+  if (!chunk_list.empty() && fp32) {
+    attend_chunks<float>(out.data_ptr<float>(), q.data_ptr<float>(), cache, chunk_list, tables,
+                         max_blocks, H, sc, causal, sliding_window);
+  } else if (!chunk_list.empty()) {
+    attend_chunks<c10::BFloat16>(out.data_ptr<float>(), q.data_ptr<float>(), cache, chunk_list,
+                                 tables, max_blocks, H, sc, causal, sliding_window);
+  }
+#endif
   return flags;
 }
 

@@ -630,10 +630,17 @@ void check_out_features(const at::Tensor& w, int64_t N) {  // N fills w's last p
 }
 
 // y [..., N] = x [..., K] @ w^T (* scales) (+ bias) for a weight packed by pack_linear_weight:
-// fp32 math; y in x's dtype. `scales`: float32 [N] (int8 weights), else None.
+// fp32 math; y in x's dtype. `scales`: float32 [N] (int8 weights), else None. A 4-d uint8 w is
+// per-channel int8 codes for integer dot products (`int8_dot_linear`).
+// Per-channel int8 codes in quad panels: integer dot products (linear_group.h).
+at::Tensor int8_dot_linear(const at::Tensor& x_in, const at::Tensor& codes,
+                           const std::optional<at::Tensor>& scales,
+                           const std::optional<at::Tensor>& bias, int64_t N);
+
 at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& w,
                          const std::optional<at::Tensor>& scales,
                          const std::optional<at::Tensor>& bias, int64_t N) {
+  if (w.dim() == 4) return int8_dot_linear(x_in, w, scales, bias, N);
 #ifdef EMBER_BF16_PAIRS
   if (w.dim() == 3 && w.size(2) == 2 * kPanel) {  // pack_bf16_pairs: bf16 activations
     TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&

@@ -516,6 +516,143 @@ void group_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const u
       kRows);
 }
 
+// ---- Per-channel int8 weights with integer dot products (ember's quantization="int8") ----
+//
+// codes as the 8-bit group layout ([P, K / 4, kPanel, 4] uint8 holding q + 128), one fp32
+// scale per output channel (w = d * q), x quantized per group of 32 as above:
+// y = d * sum_g dx_g * sum(xq_g * q_g). One fp32 FMA per group per vector of channels, the
+// scale once at the end; 8 bits per weight (Q8_0's groups carry 8.5).
+template <int MR>
+inline void channel_rows(const int8_t* xq, const float* dx, const int32_t* xs, int64_t K,
+                         const uint8_t* pan, const float* dp, int64_t g0, int64_t g1, float* y,
+                         int64_t N, int64_t cols, bool first, const float* bi) {
+  const int64_t G = K / kGroup;
+  constexpr int64_t kBytes = kGroup * kPanel;  // codes per group of a panel
+#ifdef EMBER_SIMD
+  constexpr int64_t kVec = kLanes * 4;  // bytes per code vector (kLanes channels)
+  vfloat a0[MR], a1[MR];
+  const int64_t c0 = std::min<int64_t>(cols, kLanes), c1 = cols - c0;
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vzero();
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* q = pan + g * kBytes;
+    if constexpr (kGroupPrefetch) {
+      const char* ahead = reinterpret_cast<const char*>(q) + kPanelPrefetchBytes;
+#pragma GCC unroll 16
+      for (int64_t l = 0; l < kBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+    }
+    const int8_t* xg = xq + g * kGroup;
+    vint s0[MR], s1[MR];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) s0[r] = s1[r] = izero();
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < kGroup / 4; ++i) {
+      const vint w0 = codes8(iload(q + 2 * i * kVec)), w1 = codes8(iload(q + (2 * i + 1) * kVec));
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const vint xb = ibcast(xg + r * K + 4 * i);
+        s0[r] = dot8(s0[r], w0, xb);
+        s1[r] = dot8(s1[r], w1, xb);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const int32_t bias = kCode8Bias * xs[r * G + g];
+      const vfloat sx = vset1(dx[r * G + g]);
+      a0[r] = vfma(icvt(isub(s0[r], bias)), sx, a0[r]);
+      a1[r] = vfma(icvt(isub(s1[r], bias)), sx, a1[r]);
+    }
+  }
+  const vfloat d0 = vload(dp), d1 = vload(dp + kLanes);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    vfloat p0 = first ? vzero() : vload_n(y + r * N, c0);
+    vfloat p1 = first ? vzero() : vload_n(y + r * N + kLanes, c1);
+    if (bi) {
+      p0 = vadd(p0, vload(bi));
+      p1 = vadd(p1, vload(bi + kLanes));
+    }
+    vstore_n(y + r * N, vfma(a0[r], d0, p0), c0);
+    vstore_n(y + r * N + kLanes, vfma(a1[r], d1, p1), c1);
+  }
+#else
+  for (int r = 0; r < MR; ++r) {
+    for (int64_t j = 0; j < cols; ++j) {
+      float acc = 0.f;
+      for (int64_t g = g0; g < g1; ++g) {
+        int32_t dot = 0;
+        for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+          dot += static_cast<int32_t>(xq[r * K + k]) * group_code<8>(pan, k, j);
+        }
+        acc += dx[r * G + g] * static_cast<float>(dot);
+      }
+      const float prev = (first ? 0.f : y[r * N + j]) + (bi ? bi[j] : 0.f);
+      y[r * N + j] = prev + dp[j] * acc;
+    }
+  }
+#endif
+}
+
+using ChannelKernel = void (*)(const int8_t*, const float*, const int32_t*, int64_t,
+                               const uint8_t*, const float*, int64_t, int64_t, float*, int64_t,
+                               int64_t, bool, const float*);
+
+template <size_t... R>
+constexpr std::array<ChannelKernel, sizeof...(R)> channel_kernels(std::index_sequence<R...>) {
+  return {&channel_rows<static_cast<int>(R) + 1>...};
+}
+
+// y [..., N] = x [..., K] @ (d * q)^T (+ bias): `codes` [P, K / 4, kPanel, 4] uint8 (q + 128),
+// `scales` fp32 [P * kPanel] (zeros past N). Called by packed_linear for such a weight.
+at::Tensor int8_dot_linear(const at::Tensor& x_in, const at::Tensor& codes,
+                           const std::optional<at::Tensor>& scales,
+                           const std::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(codes.dim() == 4 && codes.size(1) % (kGroup / 4) == 0 && codes.size(2) == kPanel &&
+                  codes.size(3) == 4 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
+              "packed_linear: int8 codes must be a contiguous uint8 [P, K / 4, ", kPanel,
+              ", 4] tensor, K a multiple of 32 (packed for this CPU ISA)");
+  check_out_features(codes, N);
+  const int64_t K = codes.size(1) * 4, G = K / kGroup, P = codes.size(0);
+  TORCH_CHECK(scales.has_value() && scales->defined() && scales->scalar_type() == at::kFloat &&
+                  scales->is_contiguous() && scales->numel() == P * kPanel,
+              "packed_linear: int8 codes need contiguous fp32 scales of ", P * kPanel,
+              " values (one per channel, zeros past out_features)");
+  TORCH_CHECK(x_in.size(-1) == K, "packed_linear: x has ", x_in.size(-1), " features, w ", K);
+  const bool direct = x_in.scalar_type() == at::kFloat && x_in.is_contiguous();
+  const at::Tensor x = direct ? x_in : x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  auto out_shape = x_in.sizes().vec();
+  out_shape.back() = N;
+  const int64_t M = x.numel() / K;
+  at::Tensor y = at::empty(out_shape, x.options());
+  if (M > 0) {
+    static constexpr auto kernels =
+        channel_kernels(std::make_index_sequence<static_cast<size_t>(kGroupRowBlock)>());
+    at::Tensor b;
+    const float* bp = bias_ptr(bias, b);
+    const auto* cp = codes.data_ptr<uint8_t>();
+    const float* sp = scales->data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);
+    for_panel_tasks(
+        M, N, K,
+        [&](int64_t p, int64_t n, int64_t cols, const RowBlocks& blocks) {
+          alignas(64) float bi[kPanel];
+          for (int64_t j = 0; j < kPanel; ++j) bi[j] = bp && j < cols ? bp[n + j] : 0.f;
+          const uint8_t* pan = cp + p * K * kPanel;
+          for (int64_t ga = 0; ga < G; ga += kPanelDepth / kGroup) {
+            const int64_t gb = std::min(G, ga + kPanelDepth / kGroup);
+            blocks.each([&](int64_t m0, int64_t rows) {
+              kernels[rows - 1](xq.q.data() + m0 * K, xq.scale.data() + m0 * G,
+                                xq.sum.data() + m0 * G, K, pan, sp + p * kPanel, ga, gb,
+                                yp + m0 * N + n, N, cols, ga == 0, gb == G && bp ? bi : nullptr);
+            });
+          }
+        },
+        kGroupRowBlock);
+  }
+  return direct ? y : y.to(x_in.scalar_type());
+}
+
 // y [..., N] = x [..., K] @ w^T (+ bias) for a group-quantized weight (see above): `codes`
 // [P, K / 4, kPanel, 4] (bits 8), [P, K / 8, kPanel, 4] (bits 4) or [P, 6 K / 32, kPanel, 4]
 // (bits 6) uint8, `scales` [P, K / 32, kPanel] fp16 (bits 6: [P, K / 16, kPanel]), `mins`
