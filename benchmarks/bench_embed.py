@@ -92,6 +92,40 @@ def bench_embed_ember_bf16(benchmark, setup, results):
     )
 
 
+def bench_embed_ember_int8(benchmark, setup, results):
+    """ember with `quantization="int8"` (int8 weights and activations, integer dot products),
+    and how far its embeddings are from the fp32 engine's (cosine similarity, smallest over
+    the texts; held to >= 0.99)."""
+    from ember import LLM
+
+    model_dir, sentences = setup
+    embeddings = {}
+    for quantization in (None, "int8"):
+        llm = LLM(
+            model=model_dir,
+            dtype="float32",
+            quantization=quantization,
+            use_tqdm=False,
+            max_num_batched_tokens=2048,
+        )
+        if quantization is not None:
+            benchmark.pedantic(llm.embed, args=(sentences,), kwargs={"use_tqdm": False}, rounds=3)
+        outputs = llm.embed(sentences[:256], use_tqdm=False)
+        embeddings[quantization] = torch.tensor([o.outputs.embedding for o in outputs])
+        llm.close()
+    cosine = F.cosine_similarity(embeddings[None], embeddings["int8"], dim=-1).min()
+    benchmark.extra_info["min_cosine_vs_fp32"] = round(cosine.item(), 5)
+    assert cosine >= 0.99, cosine
+    if benchmark.stats is None:  # --benchmark-disable
+        return
+    results["ember_int8"] = NUM_SENTENCES / benchmark.stats.stats.median
+    benchmark.extra_info["sentences_per_s"] = round(results["ember_int8"], 1)
+    print(
+        f"\nembedding throughput: ember int8 {results['ember_int8']:.1f} texts/s (min cosine "
+        f"vs ember fp32 over 256 texts {cosine.item():.5f})"
+    )
+
+
 def bench_embed_hf(benchmark, setup, results):
     from transformers import AutoModel, AutoTokenizer
 
@@ -134,7 +168,11 @@ def bench_embed_sentence_transformers(benchmark, setup, results):
 
 
 def _report(benchmark, results: dict[str, float], key: str, name: str) -> None:
-    for ours, label in (("ember", "ember"), ("ember_bf16", "ember bf16")):
+    for ours, label in (
+        ("ember", "ember"),
+        ("ember_bf16", "ember bf16"),
+        ("ember_int8", "ember int8"),
+    ):
         if ours in results:
             ratio = results[ours] / results[key]
             benchmark.extra_info[f"{ours}_over_{key}"] = round(ratio, 2)

@@ -297,6 +297,37 @@ inline void nibble_dots(const int8_t* xg, int64_t K, int64_t i, vint lo0, vint l
 }
 #endif
 
+#ifdef EMBER_SIMD
+// The code stream ahead of the group at q (`kBytes` of it), AVX2 builds (kGroupPrefetch).
+template <int64_t kBytes>
+inline void prefetch_group(const uint8_t* q) {
+  if constexpr (kGroupPrefetch) {
+    const char* ahead = reinterpret_cast<const char*>(q) + kPanelPrefetchBytes;
+#pragma GCC unroll 16
+    for (int64_t l = 0; l < kBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+  }
+}
+
+// s0/s1[r] = the int32 sums of one group of 8-bit codes (q, stored q + 128) of a panel's two
+// vectors of channels times row r's quantized x (xg + r * K), uncorrected for the offset.
+template <int MR>
+inline void group_dots8(const uint8_t* q, const int8_t* xg, int64_t K, vint* s0, vint* s1) {
+  constexpr int64_t kVec = kLanes * 4;
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) s0[r] = s1[r] = izero();
+#pragma GCC unroll 8
+  for (int64_t i = 0; i < kGroup / 4; ++i) {
+    const vint w0 = codes8(iload(q + 2 * i * kVec)), w1 = codes8(iload(q + (2 * i + 1) * kVec));
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const vint xb = ibcast(xg + r * K + 4 * i);
+      s0[r] = dot8(s0[r], w0, xb);
+      s1[r] = dot8(s1[r], w1, xb);
+    }
+  }
+}
+#endif
+
 // The code of channel j at k in a panel (the scalar path): q for 8-bit codes, the stored
 // q in [0, 15] or [0, 63] for 4- and 6-bit ones (6-bit: its group's nibble as a 4-bit code's,
 // then the high pair of its half; see group_rows).
@@ -339,11 +370,7 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
   }
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* q = pan + g * kBytes;
-    if constexpr (kGroupPrefetch) {
-      const char* ahead = reinterpret_cast<const char*>(q) + kPanelPrefetchBytes;
-#pragma GCC unroll 16
-      for (int64_t l = 0; l < kBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
-    }
+    prefetch_group<kBytes>(q);
     const int8_t* xg = xq + g * kGroup;
     if constexpr (Bits == 6) {
       const uint8_t* qh = q + kGroup * kPanel / 2;
@@ -382,20 +409,11 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
       continue;
     }
     vint s0[MR], s1[MR];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) s0[r] = s1[r] = izero();
     if constexpr (Bits == 8) {
-#pragma GCC unroll 8
-      for (int64_t i = 0; i < kGroup / 4; ++i) {
-        const vint w0 = codes8(iload(q + 2 * i * kVec)), w1 = codes8(iload(q + (2 * i + 1) * kVec));
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-          const vint xb = ibcast(xg + r * K + 4 * i);
-          s0[r] = dot8(s0[r], w0, xb);
-          s1[r] = dot8(s1[r], w1, xb);
-        }
-      }
+      group_dots8<MR>(q, xg, K, s0, s1);
     } else {
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) s0[r] = s1[r] = izero();
       vint h0 = izero(), h1 = izero();  // a single row's high-nibble sums
 #pragma GCC unroll 4
       for (int64_t i = 0; i < kGroup / 8; ++i) {
@@ -529,32 +547,16 @@ inline void channel_rows(const int8_t* xq, const float* dx, const int32_t* xs, i
   const int64_t G = K / kGroup;
   constexpr int64_t kBytes = kGroup * kPanel;  // codes per group of a panel
 #ifdef EMBER_SIMD
-  constexpr int64_t kVec = kLanes * 4;  // bytes per code vector (kLanes channels)
   vfloat a0[MR], a1[MR];
   const int64_t c0 = std::min<int64_t>(cols, kLanes), c1 = cols - c0;
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vzero();
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* q = pan + g * kBytes;
-    if constexpr (kGroupPrefetch) {
-      const char* ahead = reinterpret_cast<const char*>(q) + kPanelPrefetchBytes;
-#pragma GCC unroll 16
-      for (int64_t l = 0; l < kBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
-    }
+    prefetch_group<kBytes>(q);
     const int8_t* xg = xq + g * kGroup;
     vint s0[MR], s1[MR];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) s0[r] = s1[r] = izero();
-#pragma GCC unroll 8
-    for (int64_t i = 0; i < kGroup / 4; ++i) {
-      const vint w0 = codes8(iload(q + 2 * i * kVec)), w1 = codes8(iload(q + (2 * i + 1) * kVec));
-#pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) {
-        const vint xb = ibcast(xg + r * K + 4 * i);
-        s0[r] = dot8(s0[r], w0, xb);
-        s1[r] = dot8(s1[r], w1, xb);
-      }
-    }
+    group_dots8<MR>(q, xg, K, s0, s1);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const int32_t bias = kCode8Bias * xs[r * G + g];
