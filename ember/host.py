@@ -110,6 +110,15 @@ def cpu_has_native_bf16(isa: str = "native") -> bool:
     return isa == "native" and ("avx512_bf16" in flags or "amx_bf16" in flags)
 
 
+def cpu_has_int8_dot(isa: str = "native") -> bool:
+    """True when the CPU has int8 dot-product instructions (AVX512-VNNI, AVX-VNNI or AMX-INT8)
+    and `isa` lets ember use them. Without them oneDNN's int8 GEMM (`torch._int_mm`) sums
+    pairs of byte products in saturating int16 (vpmaddubsw): wrong sums for full-range int8
+    (measured: 127 x 127 over 64 k gave 8160, not 1032256)."""
+    flags = _cpu_flags()
+    return isa == "native" and any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
 def cpu_has_amx() -> bool:
     """True when the CPU has AMX tiles for bf16 (Sapphire Rapids and later Xeons)."""
     return "amx_bf16" in _cpu_flags()

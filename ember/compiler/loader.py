@@ -171,7 +171,9 @@ def load_model(
         fuse_projections_(model, consumed)
     if quantization == "int8":
         kernels.load(cpu_isa)
-        quantize_int8_(model, consumed, int8_activations=quantize_activations)
+        # An embedding model's steps are whole texts: int8 GEMMs on per-token scales.
+        per_token = spec.task == "embed"
+        quantize_int8_(model, consumed, quantize_activations, per_token)
     elif quantization == "int4":
         kernels.load(cpu_isa)
         quantize_int4_(model, consumed=consumed)

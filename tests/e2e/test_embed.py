@@ -66,8 +66,10 @@ def test_tiny_bert_mixed_lengths_match_hf(tiny_bert):
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_int8_embeddings_stay_close_to_hf_fp32(tiny_bert, compile):
     """`quantization="int8"` on an embedding model: every linear holds int8 codes and
-    multiplies int8 activations; the embeddings stay within cosine 0.99 of HF's fp32 ones."""
+    multiplies int8 activations, quantized per token (oneDNN's int8 GEMM); the embeddings stay
+    within cosine 0.99 of HF's fp32 ones."""
     from ember.compiler.quant import Int8Linear
+    from ember.host import cpu_has_int8_dot
 
     prompts = make_prompts(9, seed=4, low=2, high=60, vocab=300)
     with LLM(
@@ -83,6 +85,8 @@ def test_int8_embeddings_stay_close_to_hf_fp32(tiny_bert, compile):
         assert not any(type(m) is torch.nn.Linear for m in model.modules())
         linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
         assert linears and all(m.int8_activations for m in linears)
+        # Per token where oneDNN's int8 GEMM is exact (VNNI, AMX), else per group of 32.
+        assert all(m.per_token == cpu_has_int8_dot() for m in linears)
         got = torch.tensor([o.outputs.embedding for o in llm.embed(_ids(prompts))])
     hf = AutoModel.from_pretrained(tiny_bert).eval()
     width = max(map(len, prompts))

@@ -88,6 +88,43 @@ def test_int8_activations_match_an_integer_reference(bias, tokens, in_features):
     )
 
 
+@pytest.mark.parametrize("in_features", [7, 96, 100])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tokens", [0, 1, 3, 17, 130])
+def test_per_token_int8_matches_an_integer_reference(bias, tokens, in_features):
+    """Embedding models' int8 linears (`per_token`): x quantized per row (scale max|x| / 127),
+    oneDNN's int8 GEMM, the int32 sums scaled once: equal to a numpy int64 reference up to
+    fp32 rounding, any input size, compiled too."""
+    from ember.host import cpu_has_int8_dot
+
+    torch.manual_seed(in_features + tokens)
+    linear = nn.Linear(in_features, 33, bias=bias)
+    q = Int8Linear(linear, per_token=True)
+    if not cpu_has_int8_dot():  # oneDNN's int8 sums saturate without VNNI: not used there
+        assert not q.per_token and q.int8_activations == (in_features % 32 == 0)
+        pytest.skip("per-token int8 GEMMs need int8 dot products (VNNI / AMX-INT8)")
+    assert q.per_token and q.int8_activations and q.packed.dtype == torch.int8
+    w8, scales = _naive_int8(linear.weight)
+    codes, got_scales = q.codes()
+    assert torch.equal(codes, w8) and torch.equal(got_scales, scales)
+    x = torch.randn(tokens, in_features)
+    if tokens:
+        x[0] = 0.0  # a row entirely zero
+    xs = x.double().numpy()
+    amax = np.abs(xs).max(axis=-1, keepdims=True) if tokens else np.zeros((0, 1))
+    xq = np.rint(x.float().numpy() * (np.float32(127) / np.maximum(amax, 1e-30)).astype(np.float32))
+    want = (xq.astype(np.int64) @ w8.numpy().astype(np.int64).T) * (amax / 127.0)
+    want = want * scales.double().numpy() + (linear.bias.detach().double().numpy() if bias else 0)
+    y = q(x)
+    assert y.shape == (tokens, 33)
+    np.testing.assert_allclose(y.double().numpy(), want, rtol=1e-5, atol=1e-5)
+    if tokens == 17:
+        torch._dynamo.reset()  # a fresh compile per case, not a cache of the others'
+        compiled = torch.compile(q, fullgraph=True)
+        torch.testing.assert_close(compiled(x), y, rtol=1e-5, atol=1e-5)
+    assert q(x[None]).shape == (1, tokens, 33)
+
+
 def test_quantize_replaces_every_linear_including_a_tied_head(checkpoint_dir):
     from transformers import AutoModelForCausalLM
 
