@@ -294,16 +294,23 @@ print(json.dumps({
 """
 
 
-def load_rss_mib(tiny: str, path: str, quantization: str = "none") -> dict[str, float]:
+def load_rss_mib(
+    tiny: str, path: str, quantization: str = "none", weights_cache: bool = True
+) -> dict[str, float]:
     """Load `path` (a GGUF file or a safetensors checkpoint dir) with `load_model` in a fresh
     process, after loading `tiny` there (every import, the kernels); returns the RSS it
     `grown` by, at its `peak` (VmHWM restarted before it) and after, and the weights' `file`
-    size, in MiB."""
+    size, in MiB. `weights_cache=False`: with ember's weights cache off
+    (`EMBER_WEIGHTS_CACHE_GB=0`), so the build itself is measured every time."""
+    env = dict(os.environ)
+    if not weights_cache:
+        env["EMBER_WEIGHTS_CACHE_GB"] = "0"
     child = subprocess.run(
         [sys.executable, "-c", _LOAD_RSS_CHILD, tiny, path, quantization],
         capture_output=True,
         text=True,
         timeout=600,
+        env=env,
     )
     assert child.returncode == 0, child.stderr[-3000:]
     return json.loads(child.stdout.strip().splitlines()[-1])

@@ -534,6 +534,25 @@ void group_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const u
       kRows);
 }
 
+// x [..., K] as fp32 rows [M, K] and an empty y [..., N] in fp32: fp32 contiguous x (every
+// compiled step) is used as it is, with no reshape, cast or copy op, and y shaped directly;
+// `direct` says so (else y is cast back to x's dtype by the caller).
+struct FloatRows {
+  at::Tensor x, y;
+  int64_t M;
+  bool direct;
+};
+
+inline FloatRows float_rows(const at::Tensor& x_in, int64_t K, int64_t N) {
+  const bool direct = x_in.scalar_type() == at::kFloat && x_in.is_contiguous();
+  at::Tensor x = direct ? x_in : x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  auto out_shape = x_in.sizes().vec();
+  out_shape.back() = N;
+  at::Tensor y = at::empty(out_shape, x.options());
+  const int64_t M = x.numel() / K;
+  return {std::move(x), std::move(y), M, direct};
+}
+
 // ---- Per-channel int8 weights with integer dot products (ember's quantization="int8") ----
 //
 // codes as the 8-bit group layout ([P, K / 4, kPanel, 4] uint8 holding q + 128), one fp32
@@ -620,12 +639,7 @@ at::Tensor int8_dot_linear(const at::Tensor& x_in, const at::Tensor& codes,
               "packed_linear: int8 codes need contiguous fp32 scales of ", P * kPanel,
               " values (one per channel, zeros past out_features)");
   TORCH_CHECK(x_in.size(-1) == K, "packed_linear: x has ", x_in.size(-1), " features, w ", K);
-  const bool direct = x_in.scalar_type() == at::kFloat && x_in.is_contiguous();
-  const at::Tensor x = direct ? x_in : x_in.reshape({-1, K}).to(at::kFloat).contiguous();
-  auto out_shape = x_in.sizes().vec();
-  out_shape.back() = N;
-  const int64_t M = x.numel() / K;
-  at::Tensor y = at::empty(out_shape, x.options());
+  auto [x, y, M, direct] = float_rows(x_in, K, N);
   if (M > 0) {
     static constexpr auto kernels =
         channel_kernels(std::make_index_sequence<static_cast<size_t>(kGroupRowBlock)>());
@@ -684,13 +698,7 @@ at::Tensor group_linear(const at::Tensor& x_in, const at::Tensor& codes,
                 scale_rows, ", ", kPanel, "]");
   }
   TORCH_CHECK(x_in.size(-1) == K, "group_linear: x has ", x_in.size(-1), " features, w ", K);
-  // fp32 contiguous x (every compiled step): no reshape, cast or copy ops, y shaped directly.
-  const bool direct = x_in.scalar_type() == at::kFloat && x_in.is_contiguous();
-  const at::Tensor x = direct ? x_in : x_in.reshape({-1, K}).to(at::kFloat).contiguous();
-  auto out_shape = x_in.sizes().vec();
-  out_shape.back() = N;
-  const int64_t M = x.numel() / K;
-  at::Tensor y = at::empty(out_shape, x.options());
+  auto [x, y, M, direct] = float_rows(x_in, K, N);
   if (M > 0) {
     at::Tensor b;
     const float* bp = bias_ptr(bias, b);
