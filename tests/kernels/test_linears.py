@@ -508,3 +508,27 @@ def test_fused_projections_give_each_projection_its_own_rows(kind):
         )
         calls = (f"torch.ops.ember_cpu.{op}.default(", f"extern_kernels.ember_cpu_{op}(")
         assert sum(code[0].count(c) for c in calls) == 2  # op calls, or fast calls if installed
+
+
+@pytest.mark.parametrize(
+    ("bits", "symmetric"), [*GROUP_KINDS, ("int8", True)], ids=[*GROUP_IDS, "int8"]
+)
+def test_quantized_linears_are_batch_invariant(bits, symmetric):
+    """A row's output does not depend on the rows beside it: the same bits alone, in every
+    row-block position of a batch and at every batch size (each row's group sums are exact
+    integers and its fp32 scaling runs in one order; the int8 per-channel kernel too)."""
+    from ember.compiler.quant import GroupLinear, Int8Linear
+
+    n, k = 257, 2080  # partial panels, past one K block of 1024
+    if bits == "int8":
+        torch.manual_seed(0)
+        linear = Int8Linear(torch.nn.Linear(k, n))
+    else:
+        _, codes, scales, mins, b, _, _ = _group_case(1, n, k, bits, symmetric)
+        linear = GroupLinear(codes, scales, mins, bits, b)
+    x = torch.randn(130, k, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([linear(x[r : r + 1]) for r in range(len(x))])
+    for rows in (2, 3, 5, 7, 13, 64, 130):
+        for start in (0, 1):
+            batch = x[start : start + rows]
+            assert torch.equal(linear(batch), alone[start : start + len(batch)]), (rows, start)
