@@ -133,10 +133,8 @@ def load_model(
                 "quantize_activations": quantize_activations,
                 "kernel_linears": kernel_linears,
                 "kernels": uses_kernels and (kernels.loaded_isa(), kernels.panel_width()),
-                "attention": attn,
-                "model_class": f"{spec.auto_class.__module__}.{spec.auto_class.__qualname__}",
+                **_built_from(spec, attn),
                 "task": spec.task,
-                "config": packed_cache.config_digest(spec.hf_config),
                 "load_format": load_format,
             },
         )
@@ -227,6 +225,16 @@ def _loaded(
     )
 
 
+def _built_from(spec: ModelSpec, attention: str | dict[str, str]) -> dict[str, Any]:
+    """What a weights-cache entry's model is built from besides its files and settings: the
+    attention implementation, the model class and a digest of its config."""
+    return {
+        "attention": attention,
+        "model_class": f"{spec.auto_class.__module__}.{spec.auto_class.__qualname__}",
+        "config": packed_cache.config_digest(spec.hf_config),
+    }
+
+
 def _load_gguf(
     spec: ModelSpec, dtype: torch.dtype, backend: AttentionBackend, cpu_isa: str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
@@ -243,9 +251,7 @@ def _load_gguf(
         {
             "cpu_isa": cpu_isa,
             "panel": kernels.panel_width(),
-            "attention": attention,
-            "model_class": f"{spec.auto_class.__module__}.{spec.auto_class.__qualname__}",
-            "config": packed_cache.config_digest(spec.hf_config),
+            **_built_from(spec, attention),
         },
     )
     model = packed_cache.load(entry)  # the model a previous load built, mapped back

@@ -64,10 +64,7 @@ class PackedLinear(nn.Module):
     bias: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear, quantize: bool = False, pairs: bool = False) -> None:
-        super().__init__()
         kernels.load()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
         w = linear.weight.detach()
         scales = None
         if quantize:
@@ -76,8 +73,17 @@ class PackedLinear(nn.Module):
         pack = (
             torch.ops.ember_cpu.pack_bf16_pairs if pairs else torch.ops.ember_cpu.pack_linear_weight
         )
+        self._init_from(linear, pack(w), scales, pairs)
+
+    def _init_from(
+        self, linear: nn.Linear, packed: torch.Tensor, scales: torch.Tensor | None, pairs: bool
+    ) -> None:
+        """Module state for `linear`'s sizes and bias (fp32), holding `packed` and `scales`."""
+        nn.Module.__init__(self)
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
         self.pairs = pairs
-        self.register_buffer("packed", pack(w))
+        self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
@@ -169,25 +175,16 @@ class Int8Linear(PackedLinear):
     def __init__(
         self, linear: nn.Linear, int8_activations: bool = True, per_token: bool = False
     ) -> None:
+        kernels.load()  # its ISA, and the panel width `_quad_panels` packs for
         per_token = per_token and cpu_has_int8_dot(kernels.loaded_isa() or "native")
         if not int8_activations or (linear.in_features % GROUP_SIZE and not per_token):
             super().__init__(linear, quantize=True)
             return
-        nn.Module.__init__(self)
-        kernels.load()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.pairs = False
         codes, scales = _quantize_int8_rows(linear.weight.detach())
-        if per_token:
-            self.register_buffer("packed", codes)
-            self.register_buffer("scales", scales)
-        else:
+        if not per_token:
             stored = (codes.to(torch.int16) + 128).to(torch.uint8)
-            self.register_buffer("packed", _quad_panels(stored))
-            self.register_buffer("scales", _row_panels(scales[:, None]).flatten())
-        bias = linear.bias
-        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+            codes, scales = _quad_panels(stored), _row_panels(scales[:, None]).flatten()
+        self._init_from(linear, codes, scales, pairs=False)
 
     @property
     def int8_activations(self) -> bool:

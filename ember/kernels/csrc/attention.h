@@ -133,6 +133,30 @@ inline void add_weighted_rows(float* acc, float scale, const float* p, const C* 
     vstore(acc + c * kLanes, R == 2 ? vadd(a[0][c], a[R - 1][c]) : a[0][c]);
   }
 }
+
+// acc[0 : D] = acc * scale + sum_j p[j] * v_j[0 : D] for one head (D a multiple of kLanes):
+// `add_weighted_rows` a D-slice of up to 8 vectors at a time (up to 8 independent FMA chains
+// per row). Always inlined: as a call, a 48 x 42-token chunk step took 2.11-2.19 ms against
+// 1.91-1.94 with the loop written out at each caller.
+template <typename C>
+__attribute__((always_inline)) inline void add_weighted_head(float* acc, float scale,
+                                                             const float* p, const C* v,
+                                                             int64_t stride, int64_t count,
+                                                             int64_t D) {
+  for (int64_t d = 0; d < D;) {
+    const int64_t left = (D - d) / kLanes;
+    if (left >= 8) {
+      add_weighted_rows<8>(acc + d, scale, p, v + d, stride, count);
+    } else if (left >= 4) {
+      add_weighted_rows<4>(acc + d, scale, p, v + d, stride, count);
+    } else if (left >= 2) {
+      add_weighted_rows<2>(acc + d, scale, p, v + d, stride, count);
+    } else {
+      add_weighted_rows<1>(acc + d, scale, p, v + d, stride, count);
+    }
+    d += kLanes * (left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1);
+  }
+}
 #endif
 
 // The K and V rows of the cache block a decode attends next (`bytes` of each), fetched while
@@ -189,22 +213,7 @@ void attend_block(const C* k, const C* v, int64_t stride, int64_t count, int64_t
   }
   for (int64_t g = 0; g < H; ++g) {
     ahead.fetch(H + g, 2 * H);
-    const C* vh = v + (g / group) * D;
-    float* ag = acc + g * D;
-    const float* p = s + g * sb;
-    for (int64_t d = 0; d < D;) {  // up to 8 independent FMA chains per block row
-      const int64_t left = (D - d) / kLanes;
-      if (left >= 8) {
-        add_weighted_rows<8>(ag + d, corr[g], p, vh + d, stride, count);
-      } else if (left >= 4) {
-        add_weighted_rows<4>(ag + d, corr[g], p, vh + d, stride, count);
-      } else if (left >= 2) {
-        add_weighted_rows<2>(ag + d, corr[g], p, vh + d, stride, count);
-      } else {
-        add_weighted_rows<1>(ag + d, corr[g], p, vh + d, stride, count);
-      }
-      d += kLanes * (left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1);
-    }
+    add_weighted_head(acc + g * D, corr[g], s + g * sb, v + (g / group) * D, stride, count, D);
   }
 }
 #endif
@@ -427,25 +436,11 @@ void attend_chunk_head(float* op, const float* qp, const C* kp, const C* vp,
           default: chunk_scores<1>(q, kt + j, Lp, D, sc, s + j); break;
         }
       }
-      for (int64_t j = j0; j < lo; ++j) s[j] = -INFINITY;  // before the window
-      const float mx = scores_max(s + lo, hi - lo);
+      const float mx = scores_max(s + lo, hi - lo);  // positions before lo are not read
       const float l = exp_scores(s + lo, hi - lo, mx);
       float* o = op + ((t0 + r) * H + g) * D;
       std::fill(o, o + D, 0.f);
-      for (int64_t d = 0; d < D;) {
-        const int64_t left = (D - d) / kLanes;
-        const float* v = vv + lo * D + d;
-        if (left >= 8) {
-          add_weighted_rows<8>(o + d, 0.f, s + lo, v, D, hi - lo);
-        } else if (left >= 4) {
-          add_weighted_rows<4>(o + d, 0.f, s + lo, v, D, hi - lo);
-        } else if (left >= 2) {
-          add_weighted_rows<2>(o + d, 0.f, s + lo, v, D, hi - lo);
-        } else {
-          add_weighted_rows<1>(o + d, 0.f, s + lo, v, D, hi - lo);
-        }
-        d += kLanes * (left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1);
-      }
+      add_weighted_head(o, 0.f, s + lo, vv + lo * D, D, hi - lo, D);
       const vfloat inv = vset1(l > 0.f ? 1.f / l : 0.f);
       for (int64_t d = 0; d < D; d += kLanes) vstore(o + d, vmul(vload(o + d), inv));
     }
@@ -565,12 +560,21 @@ int64_t attend_step(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
   std::vector<int64_t> qsl_buf, lens_buf, tables_buf;
   const int64_t* qsl = as_int64(query_start_loc, qsl_buf);
   const int64_t* lens = as_int64(seq_lens, lens_buf);
+#ifdef EMBER_SIMD
+  // Chunks by tiles of their own (`attend_chunks`) where D fills whole vectors, else each
+  // query row as a row of its own.
+  const bool tiles = query.size(2) % kLanes == 0;
+#else
+  const bool tiles = false;
+#endif
   std::vector<QueryRow> rows, chunk_rows;
+  std::vector<Chunk> chunk_list;
   int64_t flags = 0, chunk_positions = 0;
   for (int64_t i = 0; i < seq_lens.numel(); ++i) {
     const int64_t q_len = qsl[i + 1] - qsl[i];
     if (q_len > 1) flags |= 1;
     if (q_len > 1 && !chunks) continue;
+    if (q_len > 1 && tiles) chunk_list.push_back({i, qsl[i], q_len, lens[i]});
     for (int64_t j = 0; j < q_len; ++j) {  // query row j sits at position p
       const int64_t p = lens[i] - q_len + j;
       const int64_t hi = causal ? p + 1 : lens[i];
@@ -578,25 +582,16 @@ int64_t attend_step(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
       if (q_len == 1) {
         rows.push_back({qsl[i], i, lo, hi});
       } else {
-        chunk_rows.push_back({qsl[i] + j, i, lo, hi});
+        if (!tiles) chunk_rows.push_back({qsl[i] + j, i, lo, hi});
         chunk_positions += hi - lo;
       }
     }
   }
-#ifdef EMBER_SIMD
-  // Chunks by tiles of their own (`attend_chunks`) where D fills whole vectors.
-  const bool tiles = query.size(2) % kLanes == 0;
-#else
-  const bool tiles = false;
-#endif
-  std::vector<Chunk> chunk_list;
-  if (!chunk_rows.empty() && chunk_positions <= kChunkRowsMaxPositions && tiles) {
+  if (chunk_positions > kChunkRowsMaxPositions) {  // left to the PyTorch code (flags)
+    chunk_list.clear();
+  } else if (!chunk_list.empty()) {
     flags = 0;
-    for (int64_t i = 0; i < seq_lens.numel(); ++i) {
-      const int64_t q_len = qsl[i + 1] - qsl[i];
-      if (q_len > 1) chunk_list.push_back({i, qsl[i], q_len, lens[i]});
-    }
-  } else if (!chunk_rows.empty() && chunk_positions <= kChunkRowsMaxPositions) {
+  } else if (!chunk_rows.empty()) {
     const size_t first = rows.size();
     rows.insert(rows.end(), chunk_rows.begin(), chunk_rows.end());
     flags = 0;
