@@ -62,6 +62,38 @@ def bench_embed_ember(benchmark, setup, results):
     benchmark.extra_info["sentences_per_s"] = round(results["ember"], 1)
 
 
+def _bench_against_fp32(benchmark, setup, results, key: str, label: str, **args) -> float:
+    """ember built with `args` (a narrower dtype or quantization): its texts/s into
+    `results[key]`, and the smallest cosine similarity of its embeddings to the fp32 engine's
+    over 256 texts, which it returns (also in the benchmark's extra info)."""
+    from ember import LLM
+
+    model_dir, sentences = setup
+    embeddings = []
+    for narrow in (False, True):
+        llm = LLM(
+            model=model_dir,
+            **(args if narrow else {"dtype": "float32"}),
+            use_tqdm=False,
+            max_num_batched_tokens=2048,
+        )
+        if narrow:
+            benchmark.pedantic(llm.embed, args=(sentences,), kwargs={"use_tqdm": False}, rounds=3)
+        outputs = llm.embed(sentences[:256], use_tqdm=False)
+        embeddings.append(torch.tensor([o.outputs.embedding for o in outputs]))
+        llm.close()
+    cosine = F.cosine_similarity(*embeddings, dim=-1).min().item()
+    benchmark.extra_info["min_cosine_vs_fp32"] = round(cosine, 5)
+    if benchmark.stats is not None:  # None under --benchmark-disable
+        results[key] = NUM_SENTENCES / benchmark.stats.stats.median
+        benchmark.extra_info["sentences_per_s"] = round(results[key], 1)
+        print(
+            f"\nembedding throughput: {label} {results[key]:.1f} texts/s (min cosine vs ember "
+            f"fp32 over 256 texts {cosine:.5f})"
+        )
+    return cosine
+
+
 @pytest.mark.skipif(
     not cpu_has_native_bf16(),
     reason="the CPU has no native bf16 math (AVX512-BF16 / AMX)",
@@ -69,61 +101,17 @@ def bench_embed_ember(benchmark, setup, results):
 def bench_embed_ember_bf16(benchmark, setup, results):
     """ember with bf16 weights and math (opt-in: dtype="bfloat16"), and how far its embeddings
     are from the fp32 engine's (cosine similarity, smallest over the texts)."""
-    from ember import LLM
-
-    model_dir, sentences = setup
-    embeddings = {}
-    for dtype in ("float32", "bfloat16"):
-        llm = LLM(model=model_dir, dtype=dtype, use_tqdm=False, max_num_batched_tokens=2048)
-        if dtype == "bfloat16":
-            benchmark.pedantic(llm.embed, args=(sentences,), kwargs={"use_tqdm": False}, rounds=3)
-        outputs = llm.embed(sentences[:256], use_tqdm=False)
-        embeddings[dtype] = torch.tensor([o.outputs.embedding for o in outputs])
-        llm.close()
-    cosine = F.cosine_similarity(embeddings["float32"], embeddings["bfloat16"], dim=-1).min()
-    benchmark.extra_info["min_cosine_vs_fp32"] = round(cosine.item(), 5)
-    if benchmark.stats is None:  # --benchmark-disable
-        return
-    results["ember_bf16"] = NUM_SENTENCES / benchmark.stats.stats.median
-    benchmark.extra_info["sentences_per_s"] = round(results["ember_bf16"], 1)
-    print(
-        f"\nembedding throughput: ember bf16 {results['ember_bf16']:.1f} texts/s (min cosine "
-        f"vs ember fp32 over 256 texts {cosine.item():.5f})"
-    )
+    _bench_against_fp32(benchmark, setup, results, "ember_bf16", "ember bf16", dtype="bfloat16")
 
 
 def bench_embed_ember_int8(benchmark, setup, results):
     """ember with `quantization="int8"` (int8 weights and activations, integer dot products),
     and how far its embeddings are from the fp32 engine's (cosine similarity, smallest over
     the texts; held to >= 0.99)."""
-    from ember import LLM
-
-    model_dir, sentences = setup
-    embeddings = {}
-    for quantization in (None, "int8"):
-        llm = LLM(
-            model=model_dir,
-            dtype="float32",
-            quantization=quantization,
-            use_tqdm=False,
-            max_num_batched_tokens=2048,
-        )
-        if quantization is not None:
-            benchmark.pedantic(llm.embed, args=(sentences,), kwargs={"use_tqdm": False}, rounds=3)
-        outputs = llm.embed(sentences[:256], use_tqdm=False)
-        embeddings[quantization] = torch.tensor([o.outputs.embedding for o in outputs])
-        llm.close()
-    cosine = F.cosine_similarity(embeddings[None], embeddings["int8"], dim=-1).min()
-    benchmark.extra_info["min_cosine_vs_fp32"] = round(cosine.item(), 5)
-    assert cosine >= 0.99, cosine
-    if benchmark.stats is None:  # --benchmark-disable
-        return
-    results["ember_int8"] = NUM_SENTENCES / benchmark.stats.stats.median
-    benchmark.extra_info["sentences_per_s"] = round(results["ember_int8"], 1)
-    print(
-        f"\nembedding throughput: ember int8 {results['ember_int8']:.1f} texts/s (min cosine "
-        f"vs ember fp32 over 256 texts {cosine.item():.5f})"
+    cosine = _bench_against_fp32(
+        benchmark, setup, results, "ember_int8", "ember int8", dtype="float32", quantization="int8"
     )
+    assert cosine >= 0.99, cosine
 
 
 def bench_embed_hf(benchmark, setup, results):
