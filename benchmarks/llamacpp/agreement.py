@@ -8,6 +8,11 @@ which dequantizes every tensor to fp32. Under teacher forcing on ember's greedy 
 token's rank in HF's logits at that step is counted: rank 0 = HF's argmax.
 
 usage: python benchmarks/llamacpp/agreement.py FILE.gguf [FILE.gguf ...] [--max-tokens 32]
+           [--kv-cache-dtype auto,int8] [--llama-cpp BIN_DIR]
+
+`--kv-cache-dtype`: one ember row per cache dtype. `--llama-cpp`: a row for llama.cpp on the
+same file, its greedy tokens from `llama-server` (top-k 1, the same prompt token ids, EOS
+ignored), ranked in HF the same way: the bar ember's rows are held to.
 
 Real weights give the ranks meaning (random checkpoints have near-flat logits); to get every
 type from one real model, requantize the demo model's file with llama.cpp:
@@ -18,8 +23,12 @@ type from one real model, requantize the demo model's file with llama.cpp:
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import socket
+import subprocess
 import time
+import urllib.request
 
 import torch
 
@@ -35,23 +44,65 @@ PROMPTS = [
 ]
 
 
-def agreement(path: str, max_tokens: int) -> dict:
+def ember_greedy(path: str, max_tokens: int, kv_cache_dtype: str) -> list[tuple[list, list]]:
+    """(prompt ids, greedy ids) of each prompt, from ember."""
+    from ember import LLM, SamplingParams
+
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    kw = dict(compile=False, kv_cache_gib=0.05, max_model_len=256, kv_cache_dtype=kv_cache_dtype)
+    with LLM(model=path, **kw) as llm:
+        outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
+
+
+def llamacpp_greedy(bin_dir: str, path: str, prompts: list[list[int]], max_tokens: int) -> list:
+    """(prompt ids, greedy ids) of each prompt from llama-server on `path`: the same token ids
+    in, top-k 1 sampling, EOS ignored, no prompt cache."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [f"{bin_dir}/llama-server", "-m", path, "--port", str(port), "-c", "512", "-t", "2",
+         "-np", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        pairs = []
+        for ids in prompts:
+            body = {
+                "prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
+                "samplers": ["top_k"], "ignore_eos": True, "cache_prompt": False,
+                "return_tokens": True,
+            }  # fmt: skip
+            req = urllib.request.Request(
+                f"{url}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=600) as r:
+                pairs.append((ids, json.loads(r.read())["tokens"]))
+        return pairs
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def agreement(path: str, pairs: list[tuple[list, list]]) -> dict:
+    """Teacher-forced ranks in HF fp32 (HF's GGUF loader) of each pair's generated tokens."""
     from transformers import AutoModelForCausalLM
 
-    from ember import LLM, SamplingParams
     from ember.compiler.gguf import weight_types
     from ember.tools.bench import teacher_forced_ranks
 
-    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    with LLM(model=path, compile=False, kv_cache_gib=0.05, max_model_len=256) as llm:
-        outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
     directory, name = os.path.split(path)
     hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    ranks = [
-        r
-        for o in outs
-        for r in teacher_forced_ranks(hf, list(o.prompt_token_ids), list(o.outputs[0].token_ids))
-    ]
+    ranks = [r for prompt, gen in pairs for r in teacher_forced_ranks(hf, prompt, gen)]
     return {
         "types": weight_types(path),
         "tokens": len(ranks),
@@ -65,19 +116,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("files", nargs="+")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="comma-separated")
+    parser.add_argument("--llama-cpp", metavar="BIN_DIR", help="also rank llama.cpp's tokens")
     args = parser.parse_args()
-    print(f"{'file':36} {'tensor types':34} {'tokens':>6} {'argmax':>8} {'top-5':>8} {'worst':>5}")
+    print(
+        f"{'file':36} {'engine':18} {'tensor types':34} {'tokens':>6} {'argmax':>8} "
+        f"{'top-5':>8} {'worst':>5}"
+    )
     for path in args.files:
-        start = time.perf_counter()
-        row = agreement(path, args.max_tokens)
-        n = row["tokens"]
-        types = ", ".join(f"{c} {t}" for t, c in sorted(row["types"].items(), key=lambda i: -i[1]))
-        print(
-            f"{os.path.basename(path):36} {types:34} {n:6d} "
-            f"{row['argmax'] / n:8.1%} {row['top5'] / n:8.1%} {row['worst']:5d}"
-            f"   ({time.perf_counter() - start:.0f} s)",
-            flush=True,
-        )
+        runs = [(f"ember kv={kv}", kv) for kv in args.kv_cache_dtype.split(",")]
+        if args.llama_cpp:
+            runs.append(("llama.cpp", None))
+        prompts = None
+        for engine, kv in runs:
+            start = time.perf_counter()
+            if kv is None:
+                pairs = llamacpp_greedy(args.llama_cpp, path, prompts, args.max_tokens)
+            else:
+                pairs = ember_greedy(path, args.max_tokens, kv)
+                prompts = [p for p, _ in pairs]
+            row = agreement(path, pairs)
+            n = row["tokens"]
+            types = ", ".join(
+                f"{c} {t}" for t, c in sorted(row["types"].items(), key=lambda i: -i[1])
+            )
+            print(
+                f"{os.path.basename(path):36} {engine:18} {types:34} {n:6d} "
+                f"{row['argmax'] / n:8.1%} {row['top5'] / n:8.1%} {row['worst']:5d}"
+                f"   ({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

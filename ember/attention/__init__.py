@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ember.attention.ops import kv_row_width
+
 BACKEND_NAMES = ("auto", "torch", "ipex", "triton")
 
 
@@ -58,11 +60,19 @@ class AttentionBackend:
     mixed_kv_dtype: bool = True
 
     def kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype | None = None,
     ) -> tuple[int, ...]:
+        """The shape of one layer's cache; an int8 cache's rows carry their scale
+        (`ember.attention.ops.kv_row_width`)."""
+        row = head_dim if dtype is None else kv_row_width(head_dim, dtype)
         if self.kv_layout == "blocks_heads_slots":
-            return (2, num_blocks, num_kv_heads, block_size, head_dim)
-        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+            return (2, num_blocks, num_kv_heads, block_size, row)
+        return (2, num_blocks, block_size, num_kv_heads, row)
 
     def load_op(self, cpu_isa: str | None = None) -> Callable[..., torch.Tensor]:
         """The op (a backend module may choose it by what loads here: `load_op(cpu_isa)`)."""
@@ -146,7 +156,7 @@ register_backend(
         name="torch",
         module="ember.attention.torch_cpu",
         op_name="paged_attention",
-        kv_dtypes=(torch.float32, torch.bfloat16),
+        kv_dtypes=(torch.float32, torch.bfloat16, torch.int8),
         softcap=True,
         sliding_window=True,
         bidirectional=True,

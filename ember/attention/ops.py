@@ -18,6 +18,10 @@ Each backend module defines its op with `paged_attention_fake` beside it (the to
 `ember::write_kv_cache(kv_cache, key, value, slot_mapping)` only writes K/V (default layout):
 the cross-attention K/V of encoder-decoder models, computed once per request from the encoder
 output.
+
+An int8 cache (`kv_cache_dtype="int8"`) holds each token's K/V head row as head_dim int8 codes
+followed by the row's float32 scale in 4 bytes (`kv_row_width`): one scale per token and head,
+symmetric (`quantize_kv_rows`). The cache's last dimension is then head_dim + 4.
 """
 
 from __future__ import annotations
@@ -32,16 +36,53 @@ def paged_attention_fake(query: torch.Tensor, *args: object) -> torch.Tensor:
     return torch.empty_like(query)
 
 
+# Bytes after an int8 cache row's codes: its float32 scale.
+KV_SCALE_BYTES = 4
+
+
+def kv_row_width(head_dim: int, kv_dtype: torch.dtype) -> int:
+    """Elements of one K/V head's row in a cache of `kv_dtype`: head_dim, and an int8 cache's
+    4 bytes of scale after its codes."""
+    return head_dim + KV_SCALE_BYTES if kv_dtype == torch.int8 else head_dim
+
+
+def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x [..., D]` as int8 cache rows `[..., D + 4]`: per row, scale = max |x| / 127 and
+    codes round-half-even(x * (127 / max |x|)) (all 0 for a zero row), then the scale's 4
+    bytes. The same float32 arithmetic as the C++ writer (`quantize_kv_row`), so both store
+    the same bytes."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(x * inv).clamp_(-127, 127).to(torch.int8)
+    scale = (amax / 127.0).contiguous().view(torch.int8)  # [..., 4]
+    return torch.cat((codes, scale), dim=-1)
+
+
+def dequantize_kv_rows(rows: torch.Tensor) -> torch.Tensor:
+    """int8 cache rows `[..., D + 4]` as float32 `[..., D]`: codes times their row's scale."""
+    scale = rows[..., -KV_SCALE_BYTES:].contiguous().view(torch.float32)  # [..., 1]
+    return rows[..., :-KV_SCALE_BYTES].float() * scale
+
+
+def cache_rows(kv_cache: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows read from a cache of `kv_cache`'s dtype in `dtype`: an int8 cache's dequantized
+    (float32), others cast."""
+    if kv_cache.dtype == torch.int8:
+        return dequantize_kv_rows(rows)
+    return rows.to(dtype)
+
+
 def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter `key`/`value [num_tokens, num_kv_heads, head_dim]` into their slots of
-    `kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]`."""
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(
-        0, slot_mapping, key.to(kv_cache.dtype)
-    )
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(
+    `kv_cache [2, num_blocks, block_size, num_kv_heads, row]` (row: `kv_row_width`)."""
+    _, _, _, num_kv_heads, row = kv_cache.shape
+    if kv_cache.dtype == torch.int8:
+        key, value = quantize_kv_rows(key), quantize_kv_rows(value)
+    kv_cache[0].view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, row).index_copy_(
         0, slot_mapping, value.to(kv_cache.dtype)
     )
 
@@ -72,7 +113,7 @@ def cross_attention_ranges_ref(
     sequences, padding) gets zeros. Math in fp32; returns query's dtype.
     """
     out = torch.zeros_like(query)
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    _, _, block_size, num_kv_heads, row = kv_cache.shape
     starts = query_start_loc.tolist()
     lens = cross_seq_lens.tolist()
     for s, length in enumerate(lens):
@@ -84,15 +125,16 @@ def cross_attention_ranges_ref(
         if not bool(live.any()):
             continue
         blocks = cross_block_tables[s, : -(-length // block_size)].long()
-        k = kv_cache[0].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:length]
-        v = kv_cache[1].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:length]
+        k = kv_cache[0].index_select(0, blocks).view(-1, num_kv_heads, row)[:length]
+        v = kv_cache[1].index_select(0, blocks).view(-1, num_kv_heads, row)[:length]
+        k, v = cache_rows(kv_cache, k, torch.float32), cache_rows(kv_cache, v, torch.float32)
         pos = torch.arange(length)
         mask = (pos[None, :] >= ranges[:, :1]) & (pos[None, :] < ranges[:, 1:])
         mask[~live] = True  # rows computed but dropped below
         attended = torch.nn.functional.scaled_dot_product_attention(
             query[a:b].float().transpose(0, 1)[None],
-            k.float().transpose(0, 1)[None],
-            v.float().transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
             attn_mask=mask[None, None],
             scale=scale,
             enable_gqa=True,

@@ -22,6 +22,7 @@ import torch
 
 from ember import kernels
 from ember.attention import BACKEND_NAMES, BackendUnavailableError, select_backend
+from ember.attention.ops import kv_row_width
 from ember.compiler.hf_config import (
     LOAD_FORMATS,
     ModelSpec,
@@ -50,7 +51,9 @@ _DTYPES = {
     "half": torch.float16,
 }
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "int8")
-KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8")
+# vLLM's 8-bit float cache names: not kept (see resolve_kv_cache_dtype).
+_FP8_KV_NAMES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _help(text: str, **extra: Any) -> Any:
@@ -100,8 +103,9 @@ class EngineArgs:
         metadata=_help(
             "dtype of the KV cache: auto = the dtype the weights are kept in (bfloat16 for a "
             "16-bit checkpoint under dtype=auto, also where the math is float32; an "
-            "encoder-only model's: the math's), float32 or bfloat16 (bfloat16 activations "
-            "need a bfloat16 cache)",
+            "encoder-only model's: the math's), float32, bfloat16 (bfloat16 activations "
+            "need a bfloat16 or int8 cache) or int8 (a scale per token and K/V head: half of "
+            "bfloat16's bytes; the torch backend only)",
             choices=KV_CACHE_DTYPE_CHOICES,
         ),
     )
@@ -460,14 +464,22 @@ def resolve_kv_cache_dtype(
         resolved = auto
     elif isinstance(kv_cache_dtype, str) and kv_cache_dtype in _DTYPES:
         resolved = _DTYPES[kv_cache_dtype]
+    elif kv_cache_dtype == "int8":
+        resolved = torch.int8
+    elif kv_cache_dtype in _FP8_KV_NAMES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported on CPU; kv_cache_dtype='int8' "
+            "is ember's 8-bit cache (a scale per token and head, 7 bits of precision against "
+            "fp8's 2-3)"
+        )
     else:
         raise ValueError(
             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}; "
             f"got {kv_cache_dtype!r}"
         )
-    if resolved not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"kv_cache_dtype must be float32 or bfloat16, got {resolved}")
-    if run_dtype == torch.bfloat16 and resolved != torch.bfloat16:
+    if resolved not in (torch.float32, torch.bfloat16, torch.int8):
+        raise ValueError(f"kv_cache_dtype must be float32, bfloat16 or int8, got {resolved}")
+    if run_dtype == torch.bfloat16 and resolved == torch.float32:
         raise ValueError(
             f"kv_cache_dtype={str(resolved).removeprefix('torch.')!r}: this engine computes "
             "in bfloat16 (native bf16 math), which needs a bfloat16 KV cache; use "
@@ -564,9 +576,10 @@ class EngineConfig:
             )
         if self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype}")
-        if self.kv_dtype not in (self.dtype, torch.bfloat16):
+        if self.kv_dtype not in (self.dtype, torch.bfloat16, torch.int8):
             raise ValueError(
-                f"kv_dtype must be bfloat16 or the activations' {self.dtype}, got {self.kv_dtype}"
+                f"kv_dtype must be bfloat16, int8 or the activations' {self.dtype}, "
+                f"got {self.kv_dtype}"
             )
         _check_int("max_loras", self.max_loras, 1, 64)
         _check_int("max_lora_rank", self.max_lora_rank, 1, 512)
@@ -643,7 +656,8 @@ class KVCacheSpec:
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * elem * sum(h * d for h, d in self.layer_shapes)
+        rows = sum(h * kv_row_width(d, self.dtype) for h, d in self.layer_shapes)
+        return 2 * self.block_size * elem * rows
 
     @staticmethod
     def num_blocks_for(

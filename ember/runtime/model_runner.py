@@ -84,7 +84,9 @@ class ModelRunner:
         # One tensor per layer, each with that layer's K/V heads and head_dim.
         self.kv_caches = [
             zeroed_lazily(
-                self.backend.kv_cache_shape(num_blocks, config.block_size, heads, head_dim),
+                self.backend.kv_cache_shape(
+                    num_blocks, config.block_size, heads, head_dim, config.kv_dtype
+                ),
                 config.kv_dtype,
             )
             for heads, head_dim in loaded.kv_layer_shapes

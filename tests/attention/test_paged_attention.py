@@ -14,11 +14,17 @@ import torch
 
 from ember.attention import BackendUnavailableError, select_backend
 from ember.attention.metadata import build_attention_metadata
+from ember.attention.ops import dequantize_kv_rows, kv_row_width, quantize_kv_rows
 from ember.attention.reference import ref_attention
 
 pytestmark = pytest.mark.host_isa  # on this CPU and as an AVX2-only host: tests/host_isa.py
 
-TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+# int8: against the oracle over the dequantized K/V (what the cache holds), so only the order of
+# the scale's multiply differs.
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.int8: 1e-4}
+DTYPES = pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"]
+)
 BACKENDS = ["torch", "triton", "ipex"]
 
 
@@ -46,6 +52,16 @@ def _to_layout(kv_cache, backend):
     return kv_cache
 
 
+def _cache_values(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K/V values as a cache of `dtype` holds them: an int8 cache's rows (codes and scale)."""
+    return quantize_kv_rows(x) if dtype == torch.int8 else x.to(dtype)
+
+
+def _needs_int8_cache(backend, dtype) -> None:
+    if dtype == torch.int8 and torch.int8 not in backend[0].kv_dtypes:
+        pytest.skip(f"the {backend[0].name} backend keeps no int8 KV cache")
+
+
 def _run_case(
     backend,
     seq_specs,
@@ -65,10 +81,12 @@ def _run_case(
     """seq_specs: list of (num_computed, num_new). Returns (op output, oracle outputs).
     `query_dtype`: the queries' and the new K/V's dtype when it differs from the cache's
     `dtype` (the K/V values are `dtype`'s either way, so the oracle sees what the cache holds)."""
-    act = query_dtype or dtype
+    _needs_int8_cache(backend, dtype)
+    act = query_dtype or (torch.float32 if dtype == torch.int8 else dtype)
     g = torch.Generator().manual_seed(seed)
     num_blocks = 1 + sum(-(-(c + n) // block_size) for c, n in seq_specs) + 3
-    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    row = kv_row_width(head_dim, dtype)
+    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, row, dtype=dtype)
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # scattered, never block 0
     tables, full_k, full_v = [], [], []
     for c, n in seq_specs:
@@ -76,11 +94,13 @@ def _run_case(
         table = tuple(perm[:nb])
         perm = perm[nb:]
         tables.append(table)
-        k = torch.randn(c + n, num_kv_heads, head_dim, generator=g).to(dtype)
-        v = torch.randn(c + n, num_kv_heads, head_dim, generator=g).to(dtype)
+        k = torch.randn(c + n, num_kv_heads, head_dim, generator=g)
+        v = torch.randn(c + n, num_kv_heads, head_dim, generator=g)
+        # values the cache (or, for an int8 cache, the queries' dtype) holds exactly
+        k, v = k.to(act if dtype == torch.int8 else dtype), v.to(act if dtype == torch.int8 else dtype)
         for p in range(c):  # history already in the cache
-            kv_cache[0, table[p // block_size], p % block_size] = k[p]
-            kv_cache[1, table[p // block_size], p % block_size] = v[p]
+            kv_cache[0, table[p // block_size], p % block_size] = _cache_values(k[p], dtype)
+            kv_cache[1, table[p // block_size], p % block_size] = _cache_values(v[p], dtype)
         full_k.append(k)
         full_v.append(v)
     num_tokens = sum(n for _, n in seq_specs)
@@ -120,15 +140,20 @@ def _run_case(
     )
     refs, start = [], 0
     for (c, n), k, v in zip(seq_specs, full_k, full_v):
+        if dtype == torch.int8:  # what the cache holds
+            k, v = dequantize_kv_rows(quantize_kv_rows(k)), dequantize_kv_rows(quantize_kv_rows(v))
         refs.append(
             ref_attention(query[start : start + n], k, v, scale, causal, sliding_window, softcap)
         )
         start += n
     # The cache now holds every token's K/V at its slot.
     kv_cache = _to_layout(kv_cache, backend)
-    for table, k in zip(tables, full_k):
+    for table, k, v in zip(tables, full_k, full_v):
         for p in range(len(k)):
-            torch.testing.assert_close(kv_cache[0, table[p // block_size], p % block_size], k[p])
+            blk, off = table[p // block_size], p % block_size
+            # An int8 cache's rows are the same bytes from either writer (C++ and Python).
+            torch.testing.assert_close(kv_cache[0, blk, off], _cache_values(k[p], dtype))
+            torch.testing.assert_close(kv_cache[1, blk, off], _cache_values(v[p], dtype))
     return out, refs, num_tokens
 
 
@@ -145,7 +170,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 1)], ids=["mha", "gqa2", "mqa"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@DTYPES
 def test_paged_attention_matches_reference(backend, case, heads, block_size, dtype):
     out, refs, _ = _run_case(backend, CASES[case], heads[0], heads[1], 16, block_size, dtype)
     start = 0
@@ -159,7 +184,7 @@ def test_paged_attention_matches_reference(backend, case, heads, block_size, dty
 
 @pytest.mark.parametrize("head_dim", [64, 72, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@DTYPES
 def test_paged_attention_decodes_at_model_head_dims(backend, head_dim, block_size, dtype):
     """Real head sizes (72: not a multiple of AVX-512's 16 lanes), contexts that end mid-block
     and mid-vector, several blocks, GQA."""
@@ -171,7 +196,7 @@ def test_paged_attention_decodes_at_model_head_dims(backend, head_dim, block_siz
 
 
 @pytest.mark.parametrize("head_dim", [64, 72])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@DTYPES
 @pytest.mark.parametrize("window", [0, 9])
 def test_paged_attention_many_decodes(backend, head_dim, dtype, window):
     """More decoding sequences than 4x the threads: the C++ kernel gives each task all of a
@@ -188,7 +213,7 @@ def test_paged_attention_many_decodes(backend, head_dim, dtype, window):
 
 
 @pytest.mark.parametrize("specs", [[(299, 1)], [(516, 1), (40, 1)], [(20, 1)]], ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@DTYPES
 @pytest.mark.parametrize("window", [0, 100])
 def test_paged_attention_splits_few_long_decodes(backend, specs, dtype, window):
     """Fewer decodes than threads have work for: the C++ kernel splits each context into parts
@@ -238,11 +263,43 @@ def test_paged_attention_bidirectional(backend):
     torch.testing.assert_close(out, torch.cat(refs), atol=2e-5, rtol=2e-5)
 
 
-def test_paged_attention_softcap(backend):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
+def test_paged_attention_softcap(backend, dtype):
     if not backend[0].softcap:
         pytest.skip(f"backend {backend[0].name} has no soft-capping")
-    out, refs, _ = _run_case(backend, CASES["mixed"], 4, 2, 8, 4, torch.float32, softcap=0.5)
-    torch.testing.assert_close(out, torch.cat(refs), atol=2e-5, rtol=2e-5)
+    out, refs, _ = _run_case(backend, CASES["mixed"], 4, 2, 8, 4, dtype, softcap=0.5)
+    torch.testing.assert_close(out, torch.cat(refs), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [0, 5])
+def test_paged_attention_int8_cache(backend, query_dtype, window):
+    """An int8 cache (codes and a scale per token and K/V head) under float32 or bfloat16
+    queries: decodes, chunks and prefix hits, at a head size of whole vectors (64: the tiles
+    and the SIMD decode) and one of neither (40), against the oracle over the dequantized
+    K/V; the cache's bytes equal the Python writer's."""
+    specs = [(37, 1), (0, 23), (20, 9), (3, 1)]
+    for head_dim in (64, 40):
+        out, refs, n = _run_case(
+            backend, specs, 8, 2, head_dim, 16, torch.int8, sliding_window=window,
+            query_dtype=query_dtype,
+        )  # fmt: skip
+        tol = 1e-4 if query_dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[:n].float(), torch.cat(refs), atol=tol, rtol=tol)
+
+
+def test_int8_cache_rows_round_trip():
+    """quantize_kv_rows: a scale per row (max |x| / 127), codes within [-127, 127], a zero row
+    all zero, and each value back within half a step."""
+    x = torch.randn(5, 3, 64) * torch.tensor([1e-3, 1.0, 50.0])[None, :, None]
+    x[2, 1] = 0.0
+    rows = quantize_kv_rows(x)
+    assert rows.shape == (5, 3, 68) and rows.dtype == torch.int8
+    back = dequantize_kv_rows(rows)
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert bool(((back - x).abs() <= step / 2 + 1e-7).all())
+    assert int(rows[..., :64].abs().max()) == 127
+    assert torch.count_nonzero(rows[2, 1]) == 0
 
 
 def test_paged_attention_padding_rows_are_zero_and_harmless(backend):
@@ -253,11 +310,12 @@ def test_paged_attention_padding_rows_are_zero_and_harmless(backend):
     assert torch.count_nonzero(out[n:]) == 0
 
 
-def _opcheck_args(backend, softcap: float = 0.0) -> tuple:
+def _opcheck_args(backend, softcap: float = 0.0, kv_dtype=torch.float32) -> tuple:
     """A mixed step for opcheck (a decode and a 6-token prefill, padded to 9 tokens and 3
     sequences): 4 query heads on 2 K/V heads of 8, 4-token blocks."""
     block_size, H, Hkv, D = 4, 4, 2, 8
-    kv_cache = torch.randn(backend.kv_cache_shape(8, block_size, Hkv, D))
+    shape = backend.kv_cache_shape(8, block_size, Hkv, D, kv_dtype)
+    kv_cache = _cache_values(torch.randn(*shape[:-1], D), kv_dtype)
     meta, _ = build_attention_metadata([3, 0], [1, 6], [(1, 2), (3, 4)], block_size, 4, 9, 3)
     return (
         torch.randn(9, H, D), torch.randn(9, Hkv, D), torch.randn(9, Hkv, D), kv_cache,
@@ -266,9 +324,11 @@ def _opcheck_args(backend, softcap: float = 0.0) -> tuple:
     )  # fmt: skip
 
 
-def test_paged_attention_opcheck(backend):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
+def test_paged_attention_opcheck(backend, kv_dtype):
+    _needs_int8_cache(backend, kv_dtype)
     backend, op = backend
-    args = _opcheck_args(backend)
+    args = _opcheck_args(backend, kv_dtype=kv_dtype)
     utils = (
         "test_schema",
         "test_autograd_registration",
@@ -343,7 +403,7 @@ def test_cpp_decode_kernel_builds_here():
 
 
 @pytest.mark.parametrize("case", ["decode", "mixed", "prefix_hit"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@DTYPES
 def test_torch_backend_pytorch_fallback_without_cpp_kernels(monkeypatch, case, dtype):
     """Where ember's C++ kernels cannot be built, decodes take the pure-PyTorch path."""
     from ember import kernels

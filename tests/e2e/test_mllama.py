@@ -374,3 +374,37 @@ def test_chat_with_image_parts_matches_hf(tiny_mllama):
             GREEDY,
             chat_template=template,
         )
+
+
+def test_mllama_with_an_int8_kv_cache_stays_with_fp32(tiny_mllama, want):
+    """kv_cache_dtype="int8": the text model's self-attention K/V and the image K/V that
+    cross-attention reads (`ember::cross_attention_ranges`, dequantized as gathered) are int8
+    rows with a scale per token and head. Greedy output equals HF fp32's for most prompts, and
+    where it leaves it, it leaves at a near tie of fp32's (this random model's top two logits
+    lie 0.03 apart at one step of one prompt) for a token in HF's top 5 there."""
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=5)
+    got = {}
+    for kv in ("float32", "int8"):
+        llm = LLM(
+            model=tiny_mllama, compile=False, kv_cache_gib=0.01, max_model_len=128,
+            kv_cache_dtype=kv,
+        )  # fmt: skip
+        assert {c.dtype for c in llm.llm_engine.runner.kv_caches} == {getattr(torch, kv)}
+        got[kv] = [o.outputs[0] for o in llm.generate([_prompt(t, i) for t, i in CASES], params)]
+        pool = llm.llm_engine.block_manager
+        assert pool.num_free_blocks == pool.num_blocks - 1
+        llm.close()
+    assert [o.token_ids for o in got["float32"]] == want
+    same = 0
+    for wide, narrow in zip(got["float32"], got["int8"]):
+        step = next(
+            (i for i, (a, b) in enumerate(zip(wide.token_ids, narrow.token_ids)) if a != b), None
+        )
+        if step is None:
+            same += 1
+            continue
+        top = wide.logprobs[step]
+        chosen = narrow.token_ids[step]
+        assert chosen in top, (step, chosen, top)
+        assert top[wide.token_ids[step]].logprob - top[chosen].logprob < 0.1
+    assert same >= len(CASES) - 2

@@ -4,6 +4,24 @@
 
 namespace {
 
+// An int8 cache (kv_cache_dtype="int8") holds each K/V head's row as its D codes followed by
+// the row's fp32 scale (4 bytes, per token and head): a row's pitch is D + 4, and its values
+// are code * scale. float32 and bfloat16 caches hold the D values (pitch D, scale 1).
+template <typename C>
+constexpr bool kScaledRows = std::is_same_v<C, int8_t>;
+constexpr int64_t kRowScaleBytes = 4;
+
+template <typename C>
+inline float row_scale(const C* row, int64_t D) {
+  if constexpr (kScaledRows<C>) {
+    float scale;
+    std::memcpy(&scale, row + D, sizeof scale);
+    return scale;
+  } else {
+    return 1.f;
+  }
+}
+
 // q . k over one head's D values (k widened to fp32), and acc += p * v.
 template <typename C>
 inline float dot_row(const float* q, const C* k, int64_t D) {
@@ -190,17 +208,20 @@ struct Ahead {
 // H * (round_up(count, kLanes)) + 2 * (H + kLanes) floats. `ahead`: fetched a part per head.
 template <typename C>
 void attend_block(const C* k, const C* v, int64_t stride, int64_t count, int64_t H,
-                  int64_t group, int64_t D, const float* qs, float* acc, float* m, float* l,
-                  float* s, const Ahead& ahead) {
+                  int64_t group, int64_t D, int64_t Dp, const float* qs, float* acc, float* m,
+                  float* l, float* s, const Ahead& ahead) {
   const int64_t sb = (count + kLanes - 1) / kLanes * kLanes;
   float* m_new = s + H * sb;
   float* corr = m_new + H + kLanesMax;
   for (int64_t g = 0; g < H; ++g) {
     ahead.fetch(g, 2 * H);
-    const C* kh = k + (g / group) * D;
+    const C* kh = k + (g / group) * Dp;
     for (int64_t j = 0; j < count; j += kLanes) {
       vstore(s + g * sb + j, row_scores(qs + g * D, kh + j * stride, stride, D,
                                         std::min(kLanes, count - j)));
+    }
+    if constexpr (kScaledRows<C>) {  // codes' dot products times each K row's scale
+      for (int64_t j = 0; j < count; ++j) s[g * sb + j] *= row_scale(kh + j * stride, D);
     }
   }
   for (int64_t g = 0; g < H; ++g) m_new[g] = std::max(m[g], scores_max(s + g * sb, count));
@@ -213,7 +234,11 @@ void attend_block(const C* k, const C* v, int64_t stride, int64_t count, int64_t
   }
   for (int64_t g = 0; g < H; ++g) {
     ahead.fetch(H + g, 2 * H);
-    add_weighted_head(acc + g * D, corr[g], s + g * sb, v + (g / group) * D, stride, count, D);
+    const C* vh = v + (g / group) * Dp;
+    if constexpr (kScaledRows<C>) {  // each weight times its V row's scale (l is summed)
+      for (int64_t j = 0; j < count; ++j) s[g * sb + j] *= row_scale(vh + j * stride, D);
+    }
+    add_weighted_head(acc + g * D, corr[g], s + g * sb, vh, stride, count, D);
   }
 }
 #endif
@@ -237,11 +262,11 @@ struct QueryRow {
 template <typename C>
 void attend_rows(float* op, const float* qp, const at::Tensor& cache,
                  const std::vector<QueryRow>& rows, const int64_t* tables, int64_t max_blocks,
-                 int64_t H, float sc, int64_t split_min_tokens) {
-  const int64_t NB = cache.size(1), BS = cache.size(2), Hkv = cache.size(3), D = cache.size(4);
-  const int64_t group = H / Hkv, n = static_cast<int64_t>(rows.size()), stride = Hkv * D;
+                 int64_t H, int64_t D, float sc, int64_t split_min_tokens) {
+  const int64_t NB = cache.size(1), BS = cache.size(2), Hkv = cache.size(3), Dp = cache.size(4);
+  const int64_t group = H / Hkv, n = static_cast<int64_t>(rows.size()), stride = Hkv * Dp;
   const C* kp = cache.data_ptr<C>();
-  const C* vp = kp + NB * BS * Hkv * D;
+  const C* vp = kp + NB * BS * Hkv * Dp;
 #ifdef EMBER_SIMD
   const bool simd = D % kLanes == 0;
 #else
@@ -309,8 +334,8 @@ void attend_rows(float* op, const float* qp, const at::Tensor& cache,
 #ifdef EMBER_SIMD
         if (simd) {
           attend_block(kp + (blk * BS + off) * stride, vp + (blk * BS + off) * stride, stride,
-                       count, H, group, D, qs.data(), acc.data(), m.data(), l.data(), s.data(),
-                       ahead);
+                       count, H, group, D, Dp, qs.data(), acc.data(), m.data(), l.data(),
+                       s.data(), ahead);
           start += count;
           continue;
         }
@@ -318,12 +343,14 @@ void attend_rows(float* op, const float* qp, const at::Tensor& cache,
         ahead.fetch(0, 1);
         for (int64_t g = 0; g < H; ++g) {
           const int64_t h = g / group;
-          const C* kb = kp + ((blk * BS + off) * Hkv + h) * D;
-          const C* vb = vp + ((blk * BS + off) * Hkv + h) * D;
+          const C* kb = kp + (blk * BS + off) * stride + h * Dp;
+          const C* vb = vp + (blk * BS + off) * stride + h * Dp;
           const float* qg = qs.data() + g * D;
           float* ag = acc.data() + g * D;
           float mx = m[g];
-          for (int64_t j = 0; j < count; ++j) s[j] = dot_row(qg, kb + j * stride, D);
+          for (int64_t j = 0; j < count; ++j) {
+            s[j] = dot_row(qg, kb + j * stride, D) * row_scale(kb + j * stride, D);
+          }
           for (int64_t j = 0; j < count; ++j) mx = std::max(mx, s[j]);
           if (mx > m[g]) {  // a new maximum: rescale what is summed so far
             const float correction = std::exp(m[g] - mx);
@@ -334,7 +361,7 @@ void attend_rows(float* op, const float* qp, const at::Tensor& cache,
           for (int64_t j = 0; j < count; ++j) {
             const float p = std::exp(s[j] - mx);
             l[g] += p;
-            add_scaled_row(ag, p, vb + j * stride, D);
+            add_scaled_row(ag, p * row_scale(vb + j * stride, D), vb + j * stride, D);
           }
         }
         start += count;
@@ -407,18 +434,25 @@ inline void chunk_scores(const float* q, const float* kt, int64_t Lp, int64_t D,
 template <typename C>
 void attend_chunk_head(float* op, const float* qp, const C* kp, const C* vp,
                        const int64_t* table, int64_t BS, int64_t Hkv, int64_t H, int64_t D,
-                       int64_t h, int64_t t0, int64_t q_len, int64_t len, int64_t slice,
+                       int64_t Dp, int64_t h, int64_t t0, int64_t q_len, int64_t len, int64_t slice,
                        int64_t slices, bool causal, int64_t sliding_window, float sc, float* kt,
                        float* vv, float* s) {
-  const int64_t Lp = (len + kLanes - 1) / kLanes * kLanes, stride = Hkv * D;
+  const int64_t Lp = (len + kLanes - 1) / kLanes * kLanes, stride = Hkv * Dp;
   const int64_t group = H / Hkv;
   // The context every row reads: [0, len) (a sliding window starts later, never earlier).
   for (int64_t j = 0; j < len; ++j) {
     const int64_t slot = table[j / BS] * BS + j % BS;
-    const C* kr = kp + slot * stride + h * D;
-    const C* vr = vp + slot * stride + h * D;
-    for (int64_t d = 0; d < D; d += kLanes) vstore(vv + j * D + d, vwiden(vr + d));
-    for (int64_t d = 0; d < D; ++d) kt[d * Lp + j] = to_float(kr[d]);
+    const C* kr = kp + slot * stride + h * Dp;
+    const C* vr = vp + slot * stride + h * Dp;
+    if constexpr (kScaledRows<C>) {  // dequantized as gathered
+      const vfloat vs = vset1(row_scale(vr, D));
+      const float ks = row_scale(kr, D);
+      for (int64_t d = 0; d < D; d += kLanes) vstore(vv + j * D + d, vmul(vwiden(vr + d), vs));
+      for (int64_t d = 0; d < D; ++d) kt[d * Lp + j] = to_float(kr[d]) * ks;
+    } else {
+      for (int64_t d = 0; d < D; d += kLanes) vstore(vv + j * D + d, vwiden(vr + d));
+      for (int64_t d = 0; d < D; ++d) kt[d * Lp + j] = to_float(kr[d]);
+    }
   }
   for (int64_t d = 0; d < D; ++d) std::fill(kt + d * Lp + len, kt + (d + 1) * Lp, 0.f);
   for (int64_t r = slice; r < q_len; r += slices) {
@@ -457,10 +491,10 @@ struct Chunk {
 template <typename C>
 void attend_chunks(float* op, const float* qp, const at::Tensor& cache,
                    const std::vector<Chunk>& chunks, const int64_t* tables, int64_t max_blocks,
-                   int64_t H, float sc, bool causal, int64_t sliding_window) {
-  const int64_t NB = cache.size(1), BS = cache.size(2), Hkv = cache.size(3), D = cache.size(4);
+                   int64_t H, int64_t D, float sc, bool causal, int64_t sliding_window) {
+  const int64_t NB = cache.size(1), BS = cache.size(2), Hkv = cache.size(3), Dp = cache.size(4);
   const C* kp = cache.data_ptr<C>();
-  const C* vp = kp + NB * BS * Hkv * D;
+  const C* vp = kp + NB * BS * Hkv * Dp;
   const int64_t n = static_cast<int64_t>(chunks.size()), threads = at::get_num_threads();
   int64_t longest = 0, shortest = INT64_MAX;
   for (const Chunk& c : chunks) {
@@ -475,9 +509,9 @@ void attend_chunks(float* op, const float* qp, const at::Tensor& cache,
     for (int64_t u = u0; u < u1; ++u) {
       const Chunk& c = chunks[u / (Hkv * slices)];
       const int64_t h = u / slices % Hkv, slice = u % slices;
-      attend_chunk_head(op, qp, kp, vp, tables + c.seq * max_blocks, BS, Hkv, H, D, h, c.t0,
-                        c.q_len, c.len, slice, slices, causal, sliding_window, sc, kt.data(),
-                        vv.data(), s.data());
+      attend_chunk_head(op, qp, kp, vp, tables + c.seq * max_blocks, BS, Hkv, H, D, Dp, h,
+                        c.t0, c.q_len, c.len, slice, slices, causal, sliding_window, sc,
+                        kt.data(), vv.data(), s.data());
     }
   });
 }
@@ -498,24 +532,61 @@ const int64_t* as_int64(const at::Tensor& t, std::vector<int64_t>& buf) {
   return buf.data();
 }
 
+// One K/V head's row x[0 : D] as int8 codes and their scale (`kScaledRows`): scale =
+// max |x| / 127, code = round-half-even(x * (127 / max |x|)), all 0 for a zero row. The same
+// arithmetic as ember.attention.ops.quantize_kv_rows, so both writers store the same bytes.
+inline void quantize_kv_row(const float* x, int64_t D, int8_t* out) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float q = std::nearbyint(x[d] * inv);
+    out[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+  }
+  const float scale = amax / 127.f;
+  std::memcpy(out + D, &scale, sizeof scale);
+}
+
 // cache[0 / 1] rows at `slot_mapping` = key / value rows ([T, Hkv, D], cast to the cache's
-// dtype): plain row copies, no indexing dispatch.
+// dtype, or quantized per token and head for an int8 cache): plain row copies, no indexing
+// dispatch.
 void write_slots(at::Tensor& cache, const at::Tensor& key, const at::Tensor& value,
                  const at::Tensor& slot_mapping) {
-  const int64_t rows = cache.size(1) * cache.size(2), row = cache.size(3) * cache.size(4);
-  const int64_t T = slot_mapping.numel(), elem = cache.element_size();
-  TORCH_CHECK(key.numel() == T * row && value.numel() == T * row,
+  const int64_t rows = cache.size(1) * cache.size(2), Hkv = cache.size(3);
+  const int64_t T = slot_mapping.numel(), D = key.size(-1);
+  const bool int8 = cache.scalar_type() == at::kChar;
+  TORCH_CHECK(cache.size(4) == D + (int8 ? kRowScaleBytes : 0),
+              "paged_attention_cpu: the cache's rows hold ", cache.size(4),
+              " values, K/V heads ", D);
+  const int64_t row = Hkv * cache.size(4), elem = cache.element_size();
+  TORCH_CHECK(key.numel() == T * Hkv * D && value.numel() == T * Hkv * D,
               "paged_attention_cpu: key/value must hold one [Hkv, D] row per slot");
   std::vector<int64_t> slots_buf;
   const int64_t* sp = as_int64(slot_mapping, slots_buf);
-  const at::Tensor k = key.to(cache.scalar_type()).contiguous();
-  const at::Tensor v = value.to(cache.scalar_type()).contiguous();
-  char* base = static_cast<char*>(cache.data_ptr());
-  const char* kp = static_cast<const char*>(k.data_ptr());
-  const char* vp = static_cast<const char*>(v.data_ptr());
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] < rows, "paged_attention_cpu: slot ", sp[t],
                 " is outside the cache's ", rows, " slots");
+  }
+  char* base = static_cast<char*>(cache.data_ptr());
+  if (int8) {
+    const at::Tensor k = key.to(at::kFloat).contiguous(), v = value.to(at::kFloat).contiguous();
+    const float* kp = k.data_ptr<float>();
+    const float* vp = v.data_ptr<float>();
+    int8_t* cp = reinterpret_cast<int8_t*>(base);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t src = (t * Hkv + h) * D, dst = sp[t] * row + h * (D + kRowScaleBytes);
+        quantize_kv_row(kp + src, D, cp + dst);
+        quantize_kv_row(vp + src, D, cp + rows * row + dst);
+      }
+    }
+    return;
+  }
+  const at::Tensor k = key.to(cache.scalar_type()).contiguous();
+  const at::Tensor v = value.to(cache.scalar_type()).contiguous();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
     std::memcpy(base + sp[t] * row * elem, kp + t * row * elem, row * elem);
     std::memcpy(base + (rows + sp[t]) * row * elem, vp + t * row * elem, row * elem);
   }
@@ -553,9 +624,10 @@ int64_t attend_step(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
                     int64_t split_min_tokens, bool causal, bool chunks) {
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && cache.is_contiguous(),
               "paged_attention_cpu: out must be contiguous float32, the cache contiguous");
-  TORCH_CHECK(cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16,
-              "paged_attention_cpu: the cache must be float32 or bfloat16");
-  const int64_t H = query.size(1);
+  TORCH_CHECK(cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16 ||
+                  cache.scalar_type() == at::kChar,
+              "paged_attention_cpu: the cache must be float32, bfloat16 or int8");
+  const int64_t H = query.size(1), D = query.size(2);
   write_slots(cache, key, value, slot_mapping);
   std::vector<int64_t> qsl_buf, lens_buf, tables_buf;
   const int64_t* qsl = as_int64(query_start_loc, qsl_buf);
@@ -605,23 +677,25 @@ int64_t attend_step(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
   const int64_t* tables = as_int64(block_tables, tables_buf);
   const int64_t max_blocks = block_tables.size(1);
   const float sc = static_cast<float>(scale);
-  const bool fp32 = cache.scalar_type() == at::kFloat;
-  if (!rows.empty() && fp32) {
-    attend_rows<float>(out.data_ptr<float>(), q.data_ptr<float>(), cache, rows, tables,
-                       max_blocks, H, sc, split_min_tokens);
-  } else if (!rows.empty()) {
-    attend_rows<c10::BFloat16>(out.data_ptr<float>(), q.data_ptr<float>(), cache, rows, tables,
-                               max_blocks, H, sc, split_min_tokens);
-  }
+  float* o = out.data_ptr<float>();
+  const float* qd = q.data_ptr<float>();
+  auto attend = [&](auto cache_type) {
+    using C = decltype(cache_type);
+    if (!rows.empty()) {
+      attend_rows<C>(o, qd, cache, rows, tables, max_blocks, H, D, sc, split_min_tokens);
+    }
 #ifdef EMBER_SIMD
-  if (!chunk_list.empty() && fp32) {
-    attend_chunks<float>(out.data_ptr<float>(), q.data_ptr<float>(), cache, chunk_list, tables,
-                         max_blocks, H, sc, causal, sliding_window);
-  } else if (!chunk_list.empty()) {
-    attend_chunks<c10::BFloat16>(out.data_ptr<float>(), q.data_ptr<float>(), cache, chunk_list,
-                                 tables, max_blocks, H, sc, causal, sliding_window);
-  }
+    if (!chunk_list.empty()) {
+      attend_chunks<C>(o, qd, cache, chunk_list, tables, max_blocks, H, D, sc, causal,
+                       sliding_window);
+    }
 #endif
+  };
+  switch (cache.scalar_type()) {
+    case at::kFloat: attend(float{}); break;
+    case at::kBFloat16: attend(c10::BFloat16{}); break;
+    default: attend(int8_t{}); break;
+  }
   return flags;
 }
 

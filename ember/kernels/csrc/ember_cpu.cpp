@@ -26,6 +26,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
