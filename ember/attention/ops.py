@@ -82,9 +82,7 @@ def write_kv(
     if kv_cache.dtype == torch.int8:
         key, value = quantize_kv_rows(key), quantize_kv_rows(value)
     kv_cache[0].view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, row).index_copy_(
-        0, slot_mapping, value.to(kv_cache.dtype)
-    )
+    kv_cache[1].view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
 def _write_kv_fake(*args: object) -> None:

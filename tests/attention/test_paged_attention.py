@@ -97,7 +97,10 @@ def _run_case(
         k = torch.randn(c + n, num_kv_heads, head_dim, generator=g)
         v = torch.randn(c + n, num_kv_heads, head_dim, generator=g)
         # values the cache (or, for an int8 cache, the queries' dtype) holds exactly
-        k, v = k.to(act if dtype == torch.int8 else dtype), v.to(act if dtype == torch.int8 else dtype)
+        k, v = (
+            k.to(act if dtype == torch.int8 else dtype),
+            v.to(act if dtype == torch.int8 else dtype),
+        )
         for p in range(c):  # history already in the cache
             kv_cache[0, table[p // block_size], p % block_size] = _cache_values(k[p], dtype)
             kv_cache[1, table[p // block_size], p % block_size] = _cache_values(v[p], dtype)
