@@ -6,6 +6,9 @@ dtype before round r + 1), so machine drift lands on all of them. Each run: `--r
 prompts of `--depth` random tokens, then `--decode` greedy tokens each (EOS ignored); TTFT is
 the steps up to every request's first token, TPOT the median step after it (`run_ember`).
 
+--shape: a random bf16 checkpoint of that shape with 8,192 positions (built once under the user
+cache dir; `benchmarks/llamacpp/convert.py` makes GGUF files of it).
+
 usage: python benchmarks/bench_kv_cache.py [--shape llama-160m | --model PATH]
            [--kv auto,int8] [--depth 4000] [--decode 64] [--requests 1] [--rounds 3]
 """
@@ -20,8 +23,9 @@ import torch
 
 def main() -> None:
     from ember import LLM
-    from ember.host import cpu_description
-    from ember.tools.bench import Workload, bench_checkpoint, run_ember
+    from ember.host import cpu_description, user_cache_dir
+    from ember.tools.bench import Workload, run_ember
+    from ember.tools.checkpoints import build_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="llama-160m")
@@ -37,7 +41,11 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args()
 
-    model = args.model or bench_checkpoint(args.shape, "bfloat16")
+    # the shape's random bf16 checkpoint, with room for 8,192 positions
+    model = args.model or build_checkpoint(
+        user_cache_dir("models", f"{args.shape}-bfloat16-8k"), args.shape,
+        dtype=torch.bfloat16, initializer_range=0.02, max_position_embeddings=8192,
+    )  # fmt: skip
     workload = Workload("W-DEEP", args.requests, args.depth, args.decode)
     engines = {}
     for kv in args.kv.split(","):

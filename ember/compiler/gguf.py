@@ -427,6 +427,14 @@ def weight_types(path: str) -> Counter[str]:
         release(path)
 
 
+def has_quantized_weights(path: str) -> bool:
+    """Whether any 2-D tensor of the file is of a quantized type (not F32, F16 or BF16). Reads
+    the reader the load's config step left open (no second parse; the load releases it)."""
+    floats = ("F32", "F16", "BF16")
+    tensors = _reader(path, light=True).tensors
+    return any(t.tensor_type.name not in floats for t in tensors if len(t.shape) > 1)
+
+
 def load_gguf_config(path: str) -> PretrainedConfig:
     """The transformers config of a GGUF file (metadata only; tensors are not read). Cached as
     the tokenizer is (`load_gguf_tokenizer`); when both are, the file is opened with a light

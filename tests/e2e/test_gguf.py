@@ -93,6 +93,9 @@ def test_gguf_greedy_matches_hf_on_the_same_file(gguf_file, qtype, shape):
             if shape == "tiny-qwen2":
                 assert isinstance(model.model.embed_tokens, GroupEmbedding)
                 assert model.lm_head is model.model.embed_tokens.table
+        # kv_cache_dtype="auto": int8 for quantized files, float32 for float ones
+        floats = qtype in ("F16", "BF16", "F32")
+        assert llm.config.kv_dtype == (torch.float32 if floats else torch.int8)
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         pool = llm.llm_engine.block_manager
         assert pool.num_free_blocks == pool.num_blocks - 1

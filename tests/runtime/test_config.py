@@ -58,8 +58,9 @@ def test_dtype_resolution():
 
 def test_kv_cache_dtype_resolution(checkpoint_dir, monkeypatch, tmp_path):
     """kv_cache_dtype="auto": as narrow as the weights where the model decodes, also under
-    fp32 math (no native bf16 math, patched here); the math's dtype for encoder-only models
-    and fp32 checkpoints. bf16 math cannot use a float32 cache."""
+    fp32 math (no native bf16 math, patched here), int8 where they are quantized; the math's
+    dtype for encoder-only models and fp32 checkpoints. bf16 math cannot use a float32
+    cache."""
     from ember.runtime import config
 
     f32, bf16 = torch.float32, torch.bfloat16
@@ -80,7 +81,10 @@ def test_kv_cache_dtype_resolution(checkpoint_dir, monkeypatch, tmp_path):
     assert (cfg.dtype, cfg.weight_dtype, cfg.kv_dtype) == (f32, bf16, bf16)
     assert engine_config("tiny-llama", bf16, kv_cache_dtype="float32").kv_dtype == f32
     assert engine_config("tiny-llama", bf16, dtype="float32").kv_dtype == f32
-    assert engine_config("tiny-llama", bf16, dtype="int8").kv_dtype == f32
+    # quantized linears: int8 (a scale per token and head), as OpenVINO's u8 cache
+    assert engine_config("tiny-llama", bf16, dtype="int8").kv_dtype == torch.int8
+    assert engine_config("tiny-llama", quantization="int4").kv_dtype == torch.int8
+    assert engine_config("tiny-llama", dtype="int8", kv_cache_dtype="bf16").kv_dtype == bf16
     assert engine_config("tiny-llama").kv_dtype == f32
     assert EngineArgs(model=bert).create_engine_config().kv_dtype == f32  # encoder-only
     monkeypatch.setattr(config, "cpu_has_native_bf16", lambda isa="native": True)

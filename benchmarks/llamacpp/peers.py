@@ -1,0 +1,127 @@
+"""ember against llama.cpp on the same GGUF files, in one sitting: W-LAT (TTFT and TPOT, one
+request of 128 prompt tokens and 128 output tokens) and W-THRU (32 such requests, output tokens
+per second over the whole run).
+
+llama.cpp (its own benchmark tools, 2 threads):
+- TTFT: `llama-bench -p 128 -n 0`, 128 / (prompt tokens/s);
+- TPOT: `llama-bench -p 0 -n 128 -d 128`, 1 / (generated tokens/s) at a 128-token depth;
+- W-THRU: `llama-batched-bench -npp 128 -ntg 128 -npl 32`, 4096 / T (its whole batch's time).
+ember: `run_ember` (what `ember bench --workload lat|thru` runs) in a child process per file
+and ISA, compiled, from the compile cache and weights cache warm-ups of an earlier run
+(`--warmup` runs one first).
+
+For each file the engines run back to back (ember, then llama.cpp), so drift between files
+does not enter a ratio. `--cpu-isa avx2`: ember with AVX2 forced (`EMBER_CPU_ISA`'s switch
+for the whole process) against the llama.cpp build in `--llama-cpp` (build it with
+LLAMACPP_AVX2_ONLY=1 for that).
+
+usage: python benchmarks/llamacpp/peers.py --llama-cpp BIN_DIR FILE.gguf [FILE.gguf ...]
+           [--cpu-isa native|avx2] [--repeats 3] [--warmup]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+_CHILD = """
+import json, sys
+from ember import LLM
+from ember.tools.bench import WORKLOADS, run_ember
+path, isa, repeats, workloads = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+llm = LLM(model=path, cpu_isa=isa, use_tqdm=False)
+out = {}
+for w in workloads.split(","):
+    r = run_ember(llm, WORKLOADS[w], repeats)
+    out[w] = {"ttft_ms": r.ttft_ms, "tpot_ms": r.tpot_ms, "out_tok_s": r.out_tok_s}
+llm.close()
+print(json.dumps(out))
+"""
+
+
+def ember_run(path: str, isa: str, repeats: int, workloads: str = "lat,thru") -> dict:
+    from ember import host
+
+    env = dict(os.environ)
+    if isa == "avx2":
+        env.update({host.HOST_ISA_ENV: "avx2"}, **host.AVX2_ENV)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, path, isa, str(repeats), workloads],
+        capture_output=True, text=True, env=env, cwd=root,
+    )  # fmt: skip
+    if child.returncode != 0:
+        raise RuntimeError(f"ember on {path}: {child.stderr[-2000:]}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def _bench_json(bin_dir: str, path: str, args: list[str], repeats: int) -> dict:
+    cmd = [f"{bin_dir}/llama-bench", "-m", path, "-t", "2", "-r", str(repeats), "-o", "json"]
+    out = subprocess.run(cmd + args, capture_output=True, text=True, check=True).stdout
+    return json.loads(out)[0]
+
+
+def llamacpp_run(bin_dir: str, path: str, repeats: int) -> dict:
+    pp = _bench_json(bin_dir, path, ["-p", "128", "-n", "0"], repeats)
+    tg = _bench_json(bin_dir, path, ["-p", "0", "-n", "128", "-d", "128"], repeats)
+    cmd = [
+        f"{bin_dir}/llama-batched-bench", "-m", path, "-c", "8448", "-b", "2048", "-ub", "512",
+        "-npp", "128", "-ntg", "128", "-npl", "32", "-t", "2",
+    ]  # fmt: skip
+    totals = []
+    for _ in range(max(1, repeats - 1)):
+        text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        row = [
+            line for line in text.splitlines() if re.match(r"\|\s+128 \|\s+128 \|\s+32 \|", line)
+        ]
+        totals.append(float(row[0].split("|")[-3]))  # the "T s" column
+    return {
+        "lat": {
+            "ttft_ms": 128e3 / pp["avg_ts"],
+            "tpot_ms": 1e3 / tg["avg_ts"],
+        },
+        "thru": {"out_tok_s": 32 * 128 / statistics.median(totals)},
+    }
+
+
+def main() -> None:
+    from ember.host import cpu_description
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--llama-cpp", required=True, metavar="BIN_DIR")
+    parser.add_argument("--cpu-isa", default="native", choices=("native", "avx2"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", action="store_true", help="an ember run first, per file")
+    args = parser.parse_args()
+    print(f"{cpu_description()}; ember cpu_isa={args.cpu_isa}; llama.cpp {args.llama_cpp}")
+    head = (
+        "| file | TTFT ms llama.cpp | ember | ratio | TPOT ms llama.cpp | ember | ratio | "
+        "W-THRU tok/s llama.cpp | ember | ratio |"
+    )
+    print(head)
+    print("|---" * 10 + "|", flush=True)
+    for path in args.files:
+        if args.warmup:
+            ember_run(path, args.cpu_isa, 1, "lat")
+        e = ember_run(path, args.cpu_isa, args.repeats)
+        c = llamacpp_run(args.llama_cpp, path, args.repeats)
+        print(
+            f"| {os.path.basename(path)} "
+            f"| {c['lat']['ttft_ms']:.1f} | {e['lat']['ttft_ms']:.1f} "
+            f"| {e['lat']['ttft_ms'] / c['lat']['ttft_ms']:.2f} "
+            f"| {c['lat']['tpot_ms']:.2f} | {e['lat']['tpot_ms']:.2f} "
+            f"| {e['lat']['tpot_ms'] / c['lat']['tpot_ms']:.2f} "
+            f"| {c['thru']['out_tok_s']:.1f} | {e['thru']['out_tok_s']:.1f} "
+            f"| {e['thru']['out_tok_s'] / c['thru']['out_tok_s']:.2f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
