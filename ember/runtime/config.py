@@ -23,6 +23,7 @@ import torch
 from ember import kernels
 from ember.attention import BACKEND_NAMES, BackendUnavailableError, select_backend
 from ember.attention.ops import kv_row_width
+from ember.compiler.gguf import has_quantized_weights
 from ember.compiler.hf_config import (
     LOAD_FORMATS,
     ModelSpec,
@@ -30,7 +31,6 @@ from ember.compiler.hf_config import (
     read_model_spec,
     resolve_model,
 )
-from ember.compiler.gguf import has_quantized_weights
 from ember.compiler.quant import QUANTIZATIONS
 from ember.host import (
     CPU_ISAS,
