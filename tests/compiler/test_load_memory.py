@@ -133,5 +133,7 @@ def test_a_bf16_checkpoint_loads_adding_about_what_it_keeps(checkpoint_dir, quan
     assert got["grown"] < kept * got["file"] + 24, got
     # The peak's transient varies between fresh processes of the same load: measured on this
     # 122 MB file (AMD EPYC, 2 cores), int4 78-112 MB over 17 runs (one OpenMP thread or two,
-    # transparent huge pages on or off alike), int8 115-124, the default dtype 145-147.
-    assert got["peak"] < (kept + 0.45) * got["file"] + 24, got
+    # transparent huge pages on or off alike), int8 115-124, the default dtype 145-147; on
+    # another AMD EPYC (AVX-512), int8 123-139 alone and 146.1 under CI's second worker. The
+    # bound still fails a packed copy beside the file's mapping (2.4-2.9x the file).
+    assert got["peak"] < (kept + 0.6) * got["file"] + 24, got
