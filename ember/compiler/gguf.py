@@ -16,7 +16,8 @@ loader dequantizes every tensor to fp32. Here each tensor is placed in the model
   each, against a step of 1/15 of the group's range for a requantization);
 - Q6_K weights (a Q4_K_M file's LM head and half its V and down projections, and the head of
   most Q4_0 files) become 6-bit codes with a scale per 16, d * sc rounded to fp16;
-- Q5_0 weights become 8-bit codes exactly; every other quantized type (Q5_K, Q5_1, IQ*) is
+- Q5_0 weights become 5-bit codes exactly (5.5 bits a weight, as in the file); every other
+  quantized type (Q5_K, Q5_1, IQ*) is
   dequantized tensor by tensor (the `gguf` package's numpy reference) and requantized to 8-bit
   groups of 32;
 - F32, F16 and BF16 tensors keep their type: linears become `PackedLinear`s (F16 packed as fp16
@@ -598,6 +599,8 @@ def _converter(qtype: Any) -> tuple[int, Callable[[np.ndarray], Rows]]:
         return 4, _q4_k_rows
     if name == "Q6_K":
         return 6, _q6_k_rows
+    if name == "Q5_0":
+        return 5, _q5_0_rows
     return 8, functools.partial(_values_rows, tensor_type=qtype)
 
 
@@ -747,17 +750,25 @@ def group_linear_from_q6_k(
     return group_linear_from_file(raw, GGMLQuantizationType.Q6_K, bias, release)
 
 
+def _q5_0_rows(raw: np.ndarray) -> Rows:
+    """(codes, scales, None) of rows of a Q5_0 tensor, exactly: a block is fp16 d, 32 high
+    bits, then 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31; the value is
+    d (q - 16), q = nibble | high bit << 4 in [0, 31]."""
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, 2 + 4 + GROUP_SIZE // 2)
+    scales = torch.from_numpy(blocks[..., :2].copy()).view(torch.float16)[..., 0]
+    qh = blocks[..., 2:6].copy().view(np.uint32)  # [rows, blocks, 1]
+    high = (qh >> np.arange(32, dtype=np.uint32)) & 1
+    packed = blocks[..., 6:]
+    low = np.concatenate((packed & 15, packed >> 4), axis=-1)
+    codes = (low | (high.astype(np.uint8) << 4)).reshape(rows, -1)
+    return torch.from_numpy(codes), scales, None
+
+
 def _values_rows(raw: np.ndarray, tensor_type: Any) -> Rows:
     from gguf import dequantize
 
     values = torch.from_numpy(dequantize(np.ascontiguousarray(raw), tensor_type))
-    rows = values.shape[0]
-    if tensor_type.name == "Q5_0":
-        blocks = np.ascontiguousarray(raw).reshape(rows, -1, 2 + 4 + GROUP_SIZE // 2)
-        scales = torch.from_numpy(blocks[..., :2].copy()).view(torch.float16)[..., 0]
-        step = scales.float().repeat_interleave(GROUP_SIZE, dim=1)
-        codes = torch.where(step != 0, values / step, 0).round().to(torch.int8)
-        return codes, scales, None
     codes, scales, _ = quantize_groups(values, 8, symmetric=True)
     return codes, scales, None
 
@@ -766,8 +777,8 @@ def group_linear_from_values(
     raw: np.ndarray, tensor_type: Any, bias: torch.Tensor | None = None, release: Release = None
 ) -> GroupLinear:
     """Any other quantized weight as a `GroupLinear`: Q4_K as 4-bit groups with offsets
-    (`group_linear_from_q4_k`), Q6_K as 6-bit codes (`group_linear_from_q6_k`); Q5_0's values
-    exactly as 8-bit codes (q - 16 in [-16, 15] with the file's fp16 scale); every other type
+    (`group_linear_from_q4_k`), Q6_K as 6-bit codes (`group_linear_from_q6_k`), Q5_0 as 5-bit
+    codes exactly (`_q5_0_rows`); every other type
     (Q5_K, Q5_1, IQ*) dequantized by the `gguf` package and requantized to 8-bit groups of 32
     (Q8_0's rule)."""
     return group_linear_from_file(raw, tensor_type, bias, release)

@@ -497,7 +497,7 @@ class Blocks(NamedTuple):
 
 
 # GGUF types the kernels pack from the file's blocks: their code bits and whether they have
-# offsets. Q8_0 / Q4_0 / Q4_1 exactly, Q5_0 exactly as 8-bit codes; Q4_K and Q6_K with each
+# offsets. Q8_0 / Q4_0 / Q4_1 / Q5_0 exactly; Q4_K and Q6_K with each
 # 32 (16) values' scale (and offset) rounded to fp16, as their converters in
 # `ember.compiler.gguf` do.
 BLOCK_TYPES = {
@@ -506,7 +506,7 @@ BLOCK_TYPES = {
     "Q4_1": (4, True),
     "Q4_K": (4, True),
     "Q6_K": (6, False),
-    "Q5_0": (8, False),
+    "Q5_0": (5, False),
 }
 
 
@@ -515,11 +515,13 @@ class GroupLinear(nn.Module):
     with an fp16 scale d (and an fp16 offset m for asymmetric 4-bit codes): w = d q (`bits=8`,
     q in [-127, 127]: GGUF's Q8_0), d (q - 8) (`bits=4` without offsets, q in [0, 15]: Q4_0),
     d q + m (`bits=4` with offsets: Q4_1, Q4_K, and `quantization="int4"`) or d (q - 32) with a
-    scale per 16 k (`bits=6`, q in [0, 63]: Q6_K). Packed once into panels with each channel's
+    scale per 16 k (`bits=6`, q in [0, 63]: Q6_K) or d (q - 16) (`bits=5`, q in [0, 31]:
+    Q5_0). Packed once into panels with each channel's
     codes for 4 (8-bit, stored as q + 128) or 8 (4-bit, k = 8i + j in the low nibble of byte j,
     8i + 4 + j in the high one) consecutive k in one 32-bit lane; 6-bit codes as their low
     nibbles the 4-bit way, then per group the high pairs of 16 k in a lane (k = 16h + 4c + j in
-    bits 2c of byte j). Every step runs `ember_cpu::group_linear`, which quantizes x to int8 per
+    bits 2c of byte j); 5-bit codes as their low nibbles, then per group their high bits in one
+    lane (k = 8i + j in bit 2i of byte j, 8i + 4 + j in bit 2i + 1). Every step runs `ember_cpu::group_linear`, which quantizes x to int8 per
     group of 32 and sums the products in int32 (llama.cpp's scheme; see the kernel).
     `codes [N, K]`, `scales`/`mins [N, K / 32]` (`bits=6`: scales `[N, K / 16]`)."""
 
@@ -579,8 +581,8 @@ class GroupLinear(nn.Module):
     ) -> None:
         """Zeroed panels for an [n, k] weight of `bits`-bit codes (see the class doc)."""
         kernels.prebuild()  # laid out for the build's panel width; `forward` waits for it
-        if bits not in (4, 6, 8):
-            raise ValueError(f"GroupLinear: bits must be 4, 6 or 8, got {bits}")
+        if bits not in (4, 5, 6, 8):
+            raise ValueError(f"GroupLinear: bits must be 4, 5, 6 or 8, got {bits}")
         if k % GROUP_SIZE:
             raise ValueError(f"GroupLinear: K must be a multiple of {GROUP_SIZE}, got {k}")
         if offsets and bits != 4:
@@ -598,7 +600,7 @@ class GroupLinear(nn.Module):
     def _layout(n: int, k: int, bits: int) -> tuple[int, int, int, int]:
         """(panels, code bytes a row, scale columns, panel width) of an [n, k] weight."""
         panel = kernels.panel_width()
-        code_bytes = {8: k, 4: k // 2, 6: k // GROUP_SIZE * 24}[bits]
+        code_bytes = {8: k, 4: k // 2, 5: k // GROUP_SIZE * 20, 6: k // GROUP_SIZE * 24}[bits]
         return -(-n // panel), code_bytes, k // (16 if bits == 6 else GROUP_SIZE), panel
 
     @classmethod
@@ -642,6 +644,12 @@ class GroupLinear(nn.Module):
         else:
             octets = (codes.to(torch.uint8) & 15).view(n, k // 8, 2, 4)
             stored = (octets[:, :, 0] | (octets[:, :, 1] << 4)).view(n, k // 2)
+        if bits == 5:  # each group's 16 nibble bytes, then its 4 bytes of high bits
+            high = (codes.to(torch.uint8) >> 4 & 1).view(n, k // 32, 4, 2, 4)  # [.., i, half, t]
+            shift = (2 * torch.arange(4)[:, None] + torch.arange(2)[None, :])[..., None]
+            bits_t = (high.to(torch.int32) << shift).sum(dim=(2, 3)).to(torch.uint8)  # [.., t]
+            groups = k // GROUP_SIZE
+            stored = torch.cat((stored.view(n, groups, 16), bits_t), dim=2).view(n, groups * 20)
         if bits == 6:  # each group's 16 nibble bytes, then its 8 bytes of high pairs
             pairs = (codes.to(torch.uint8) >> 4).view(n, k // 16, 4, 4)
             high = pairs[:, :, 0] | pairs[:, :, 1] << 2 | pairs[:, :, 2] << 4 | pairs[:, :, 3] << 6
@@ -697,7 +705,13 @@ class GroupLinear(nn.Module):
             codes = (low | high.flatten(-3) << 4).flatten(-2).to(torch.int16) - 32
             scales = _from_panels(self.scales, ids).float()[..., None]
             return (codes.unflatten(-1, (-1, 16)).float() * scales).flatten(-2)
-        if self.bits == 8:
+        if self.bits == 5:  # nibbles, then bit 2i (+1 for k % 8 >= 4) of byte k % 4
+            lanes = stored.unflatten(-2, (-1, 5))  # [..., groups, 5 lanes, 4]
+            low = _nibbles(lanes[..., :4, :])  # [..., groups, 32]
+            k = torch.arange(GROUP_SIZE)
+            high = lanes[..., 4, :][..., k % 4] >> (2 * (k // 8) + (k % 8) // 4) & 1
+            codes = ((low | high << 4).to(torch.int16) - 16).flatten(-2)
+        elif self.bits == 8:
             codes = stored.flatten(-2).to(torch.int16) - 128
         else:
             codes = _nibbles(stored)
@@ -712,7 +726,8 @@ class GroupLinear(nn.Module):
         return w.flatten(-2)
 
     def extra_repr(self) -> str:
-        kind = {8: "q8_0", 6: "q6_k", 4: "q4_1" if self.mins is not None else "q4_0"}[self.bits]
+        kind = {8: "q8_0", 6: "q6_k", 5: "q5_0", 4: "q4_1" if self.mins is not None else "q4_0"}
+        kind = kind[self.bits]
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind} groups"
 
 

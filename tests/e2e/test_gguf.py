@@ -33,7 +33,7 @@ gguf = pytest.importorskip("gguf")
 
 KW = dict(kv_cache_gib=0.01, max_model_len=96, use_tqdm=False)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-# Kept as the file's groups / in their own type / Q5_0 as exact 8-bit codes, Q5_1 requantized.
+# Kept as the file's groups / in their own type / Q5_0 as exact 5-bit codes, Q5_1 requantized.
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "F16", "BF16", "F32", "Q5_0", "Q5_1"]
 
 
@@ -86,9 +86,9 @@ def test_gguf_greedy_matches_hf_on_the_same_file(gguf_file, qtype, shape):
                 assert isinstance(model.lm_head, PackedLinear)
                 assert isinstance(model.model.embed_tokens, PackedEmbedding)
                 assert model.model.embed_tokens.packed is model.lm_head.packed
-        else:  # Q4_0, Q4_1 as they are; Q8_0 and Q5_0 exactly, Q5_1 requantized: 8-bit codes
+        else:  # Q4_0, Q4_1, Q5_0 and Q8_0 as they are, Q5_1 requantized: 8-bit codes
             assert isinstance(q_proj, GroupLinear)
-            assert q_proj.bits == (4 if qtype in ("Q4_0", "Q4_1") else 8)
+            assert q_proj.bits == {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5}.get(qtype, 8)
             assert (q_proj.mins is not None) == (qtype == "Q4_1")
             if shape == "tiny-qwen2":
                 assert isinstance(model.model.embed_tokens, GroupEmbedding)

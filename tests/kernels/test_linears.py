@@ -266,17 +266,17 @@ def test_bf16_pairs_layout_and_contract():
 
 # ---- group-quantized weights (GGUF Q8_0 / Q6_K / Q4_0 / Q4_1, int4) ----
 
-GROUP_KINDS = [(8, True), (6, True), (4, True), (4, False)]
-GROUP_IDS = ["q8_0", "q6_k", "q4_0", "q4_1"]
+GROUP_KINDS = [(8, True), (6, True), (5, True), (4, True), (4, False)]
+GROUP_IDS = ["q8_0", "q6_k", "q5_0", "q4_0", "q4_1"]
 
 
 def _group_case(rows: int, n: int, k: int, bits: int, symmetric: bool, bias: bool = True):
     """Random codes and fp16 scales/offsets, and the float64 product of the quantized x with
     their values written out: w = d q (8-bit), d (q - 32) with a scale per 16 (6-bit),
-    d (q - 8) (4-bit symmetric), d q + m (4-bit asymmetric)."""
+    d (q - 16) (5-bit), d (q - 8) (4-bit symmetric), d q + m (4-bit asymmetric)."""
     g = torch.Generator().manual_seed(rows * 7919 + n * 31 + k + bits)
     x = torch.randn(rows, k, generator=g)
-    low, high = {8: (-127, 128), 6: (0, 64), 4: (0, 16)}[bits]
+    low, high = {8: (-127, 128), 6: (0, 64), 5: (0, 32), 4: (0, 16)}[bits]
     codes = torch.randint(low, high, (n, k), generator=g).to(
         torch.int8 if bits == 8 else torch.uint8
     )
@@ -287,8 +287,8 @@ def _group_case(rows: int, n: int, k: int, bits: int, symmetric: bool, bias: boo
     q = codes.double().view(n, -1, per_scale)
     if bits == 4 and symmetric:
         q = q - 8
-    if bits == 6:
-        q = q - 32
+    if bits in (5, 6):
+        q = q - (16 if bits == 5 else 32)
     w = q * scales.double()[..., None]
     if mins is not None:
         w = w + mins.double()[..., None]
@@ -328,9 +328,9 @@ def test_group_linear_sums_at_the_code_and_activation_extremes(bits, symmetric, 
     from ember.compiler.quant import GroupLinear
 
     n, k = 40, 96
-    high = {8: 127, 6: 63, 4: 15}[bits]
+    high = {8: 127, 6: 63, 5: 31, 4: 15}[bits]
     low = -127 if bits == 8 else 0
-    offset = {8: 0, 6: 32, 4: 8 if symmetric else 0}[bits]  # what the stored codes carry
+    offset = {8: 0, 6: 32, 5: 16, 4: 8 if symmetric else 0}[bits]  # what the stored codes carry
     for code, sign in ((high, 1.0), (high, -1.0), (low, 1.0), (low, -1.0)):
         codes = torch.full((n, k), code, dtype=torch.int8 if bits == 8 else torch.uint8)
         scales = torch.full((n, k // (16 if bits == 6 else 32)), 0.5).half()
@@ -405,8 +405,8 @@ def test_group_linear_contract():
     for rows in (0, 1, 13):
         args = (torch.randn(rows, 64), linear.codes, linear.scales, linear.mins, b, 45, 4)
         torch.library.opcheck(torch.ops.ember_cpu.group_linear.default, args)
-    with pytest.raises(RuntimeError, match="bits must be 4, 6 or 8"):
-        torch.ops.ember_cpu.group_linear(x, linear.codes, linear.scales, None, b, 45, 5)
+    with pytest.raises(RuntimeError, match="bits must be 4, 5, 6 or 8"):
+        torch.ops.ember_cpu.group_linear(x, linear.codes, linear.scales, None, b, 45, 7)
     with pytest.raises(RuntimeError, match="offsets are for 4-bit"):
         torch.ops.ember_cpu.group_linear(x, linear.codes, linear.scales, linear.scales, b, 45, 8)
     with pytest.raises(RuntimeError, match="features"):
@@ -423,6 +423,9 @@ def test_group_linear_contract():
         torch.ops.ember_cpu.group_linear(x, six.codes, linear.scales, None, b, 45, 6)
     with pytest.raises(ValueError, match=r"scales \[45, 4\]"):
         GroupLinear(codes, scales, None, 6)
+    five = GroupLinear(codes.to(torch.uint8) * 2, scales, None, 5, b)
+    assert five.codes.shape == (-(-45 // panel), 10, panel, 4)  # 5 bits a weight (Q5_0)
+    assert five.scales.shape == (-(-45 // panel), 2, panel)
     # quantize_groups: llama.cpp's rules, each weight within half a step of its group's scale
     # (Q4_0 clips the far end of its range, +8 steps: up to one step there).
     w = torch.randn(7, 96)

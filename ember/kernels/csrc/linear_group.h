@@ -158,6 +158,14 @@ inline vint high_pair(vint v) {
   if constexpr (S == 4) return _mm512_and_si512(v, mask);
   return _mm512_and_si512(_mm512_srli_epi16(v, S - 4), mask);
 }
+// Bit 4 of each byte: bit S of each byte of v moved there (5-bit codes).
+template <int S>
+inline vint high_bit(vint v) {
+  const vint mask = _mm512_set1_epi8(0x10);
+  if constexpr (S < 4) return _mm512_and_si512(_mm512_slli_epi16(v, 4 - S), mask);
+  if constexpr (S == 4) return _mm512_and_si512(v, mask);
+  return _mm512_and_si512(_mm512_srli_epi16(v, S - 4), mask);
+}
 #if defined(__AVX512VNNI__)
 #define EMBER_VNNI 1
 // acc += unsigned bytes a . signed bytes b, 4 per 32-bit lane.
@@ -200,6 +208,13 @@ inline vint ior(vint a, vint b) { return _mm256_or_si256(a, b); }
 template <int S>
 inline vint high_pair(vint v) {
   const vint mask = _mm256_set1_epi8(0x30);
+  if constexpr (S < 4) return _mm256_and_si256(_mm256_slli_epi16(v, 4 - S), mask);
+  if constexpr (S == 4) return _mm256_and_si256(v, mask);
+  return _mm256_and_si256(_mm256_srli_epi16(v, S - 4), mask);
+}
+template <int S>
+inline vint high_bit(vint v) {
+  const vint mask = _mm256_set1_epi8(0x10);
   if constexpr (S < 4) return _mm256_and_si256(_mm256_slli_epi16(v, 4 - S), mask);
   if constexpr (S == 4) return _mm256_and_si256(v, mask);
   return _mm256_and_si256(_mm256_srli_epi16(v, S - 4), mask);
@@ -334,6 +349,12 @@ inline void group_dots8(const uint8_t* q, const int8_t* xg, int64_t K, vint* s0,
 template <int Bits>
 inline int group_code(const uint8_t* pan, int64_t k, int64_t j) {
   if constexpr (Bits == 8) return static_cast<int>(pan[((k / 4) * kPanel + j) * 4 + k % 4]) - 128;
+  if constexpr (Bits == 5) {
+    const uint8_t* q = pan + (k / kGroup) * kGroup * kPanel * 5 / 8;
+    const int64_t kk = k % kGroup;
+    const uint8_t bits = q[kGroup * kPanel / 2 + j * 4 + kk % 4];
+    return group_code<4>(q, kk, j) | ((bits >> (2 * (kk / 8) + (kk % 8) / 4)) & 1) << 4;
+  }
   if constexpr (Bits == 6) {
     const uint8_t* q = pan + (k / kGroup) * kGroup * kPanel * 6 / 8;
     const int64_t kk = k % kGroup;
@@ -372,6 +393,41 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
     const uint8_t* q = pan + g * kBytes;
     prefetch_group<kBytes>(q);
     const int8_t* xg = xq + g * kGroup;
+    if constexpr (Bits == 5) {
+      // The 4-bit codes' nibbles, each or'ed with its high bit: k = 8i + t (low nibble of
+      // byte t of lane i) takes bit 2i of byte t of the high lane, k = 8i + 4 + t bit 2i + 1.
+      const uint8_t* qh = q + kGroup * kPanel / 2;
+      const vint p0 = iload(qh), p1 = iload(qh + kVec);
+      vint s0[MR], s1[MR];
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) s0[r] = s1[r] = izero();
+      vint e0 = izero(), e1 = izero();  // a single row's high-nibble sums
+      const auto step = [&](auto i_const) {
+        constexpr int i = decltype(i_const)::value;
+        const vint b0 = iload(q + 2 * i * kVec), b1 = iload(q + (2 * i + 1) * kVec);
+        const vint lo0 = ior(low_nibbles(b0), high_bit<2 * i>(p0));
+        const vint lo1 = ior(low_nibbles(b1), high_bit<2 * i>(p1));
+        const vint hi0 = ior(high_nibbles(b0), high_bit<2 * i + 1>(p0));
+        const vint hi1 = ior(high_nibbles(b1), high_bit<2 * i + 1>(p1));
+        nibble_dots<MR, false>(xg, K, i, lo0, lo1, hi0, hi1, s0, s1, e0, e1);
+      };
+      step(std::integral_constant<int, 0>{});
+      step(std::integral_constant<int, 1>{});
+      step(std::integral_constant<int, 2>{});
+      step(std::integral_constant<int, 3>{});
+      if constexpr (MR == 1) {
+        s0[0] = iadd(s0[0], e0);
+        s1[0] = iadd(s1[0], e1);
+      }
+      const vfloat d0 = vhalf(dp + g * kPanel), d1 = vhalf(dp + g * kPanel + kLanes);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {  // stored q in [0, 31]: the value is d (q - 16)
+        const vfloat sx = vset1(dx[r * G + g]);
+        a0[r] = vfma(icvt(isub(s0[r], 16 * xs[r * G + g])), vmul(d0, sx), a0[r]);
+        a1[r] = vfma(icvt(isub(s1[r], 16 * xs[r * G + g])), vmul(d1, sx), a1[r]);
+      }
+      continue;
+    }
     if constexpr (Bits == 6) {
       const uint8_t* qh = q + kGroup * kPanel / 2;
 #pragma GCC unroll 2
@@ -470,7 +526,7 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
   // A scale per segment of a group (6-bit: two of 16 k), and the offset every stored code
   // carries (Q4_0: 8, 6-bit: 32), taken off each product.
   constexpr int64_t kSegments = Bits == 6 ? 2 : 1, kSpan = kGroup / kSegments;
-  constexpr int32_t kOffset = Bits == 6 ? 32 : Bits == 4 && !Min ? 8 : 0;
+  constexpr int32_t kOffset = Bits == 6 ? 32 : Bits == 5 ? 16 : Bits == 4 && !Min ? 8 : 0;
   for (int r = 0; r < MR; ++r) {
     for (int64_t j = 0; j < cols; ++j) {
       float acc = first ? 0.f : y[r * N + j];
@@ -506,7 +562,7 @@ constexpr std::array<GroupKernel, sizeof...(R)> group_kernels(std::index_sequenc
 template <int Bits, bool Min>
 void group_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const uint16_t* m,
                 const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
-  static constexpr int kRows = Bits == 6 ? kGroup6RowBlock : kGroupRowBlock;
+  static constexpr int kRows = Bits == 6 || Bits == 5 ? kGroup6RowBlock : kGroupRowBlock;
   static constexpr auto kernels =
       group_kernels<Bits, Min>(std::make_index_sequence<static_cast<size_t>(kRows)>());
   const int64_t G = K / kGroup;
@@ -677,10 +733,11 @@ at::Tensor int8_dot_linear(const at::Tensor& x_in, const at::Tensor& codes,
 at::Tensor group_linear(const at::Tensor& x_in, const at::Tensor& codes,
                         const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                         const std::optional<at::Tensor>& bias, int64_t N, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "group_linear: bits must be 4, 6 or 8, got ",
-              bits);
-  // 32-bit lanes per group of 32 k: 8 (8-bit), 4 (4-bit), 4 + 2 (6-bit: nibbles, high pairs)
-  const int64_t lanes = bits == 8 ? 8 : bits == 6 ? 6 : 4;
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8,
+              "group_linear: bits must be 4, 5, 6 or 8, got ", bits);
+  // 32-bit lanes per group of 32 k: 8 (8-bit), 4 (4-bit), 4 + 1 (5-bit: nibbles, high bits),
+  // 4 + 2 (6-bit: nibbles, high pairs)
+  const int64_t lanes = bits == 8 ? 8 : bits == 6 ? 6 : bits == 5 ? 5 : 4;
   TORCH_CHECK(codes.dim() == 4 && codes.size(1) % lanes == 0 && codes.size(2) == kPanel &&
                   codes.size(3) == 4 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
               "group_linear: codes must be a contiguous uint8 [P, ", lanes, " K / 32, ", kPanel,
@@ -711,6 +768,8 @@ at::Tensor group_linear(const at::Tensor& x_in, const at::Tensor& codes,
       group_gemm<8, false>(xp, cp, dp, nullptr, bp, yp, M, N, K);
     } else if (bits == 6) {
       group_gemm<6, false>(xp, cp, dp, nullptr, bp, yp, M, N, K);
+    } else if (bits == 5) {
+      group_gemm<5, false>(xp, cp, dp, nullptr, bp, yp, M, N, K);
     } else if (has_min) {
       group_gemm<4, true>(xp, cp, dp, mp, bp, yp, M, N, K);
     } else {

@@ -25,6 +25,19 @@ inline void store_nibbles(const uint8_t* q, uint8_t* out) {
       out[4 * i + j] = (q[8 * i + j] & 15) | (q[8 * i + 4 + j] & 15) << 4;
 }
 
+// A group's 32 5-bit codes' high bits (bit 4 of each q) as 4 stored bytes, in the order of
+// its nibble bytes: byte t holds k = 8i + t in bit 2i and k = 8i + 4 + t in bit 2i + 1.
+inline void store_high_bits(const uint8_t* q, uint8_t* out) {
+  for (int t = 0; t < 4; ++t) {
+    uint8_t b = 0;
+    for (int i = 0; i < 4; ++i) {
+      b |= ((q[8 * i + t] >> 4) & 1) << (2 * i);
+      b |= ((q[8 * i + 4 + t] >> 4) & 1) << (2 * i + 1);
+    }
+    out[t] = b;
+  }
+}
+
 // One channel's stored bytes from its codes (one per value: int8 q for 8 bits, uint8 for 4
 // and 6; see `GroupLinear`).
 void store_codes(const uint8_t* q, int64_t K, int64_t bits, uint8_t* out) {
@@ -32,9 +45,10 @@ void store_codes(const uint8_t* q, int64_t K, int64_t bits, uint8_t* out) {
     for (int64_t k = 0; k < K; ++k) out[k] = q[k] ^ 0x80;  // int8 q + 128
     return;
   }
-  const int64_t step = bits == 4 ? 16 : 24;  // stored bytes per group of 32
+  const int64_t step = bits == 4 ? 16 : bits == 5 ? 20 : 24;  // stored bytes per group of 32
   for (int64_t g = 0; g < K / 32; ++g, q += 32, out += step) {
     store_nibbles(q, out);
+    if (bits == 5) store_high_bits(q, out + 16);
     if (bits == 6) {  // the high pairs of each 16 k: k = 16h + 4c + j in bits 2c of byte j
       for (int h = 0; h < 2; ++h)
         for (int j = 0; j < 4; ++j) {
@@ -64,7 +78,7 @@ constexpr BlockType kBlockTypes[] = {
     {"Q4_1", 32, 20, 4, true, BlockDecoder::kPlain},
     {"Q4_K", 256, 144, 4, true, BlockDecoder::kQ4K},
     {"Q6_K", 256, 210, 6, false, BlockDecoder::kQ6K},
-    {"Q5_0", 32, 22, 8, false, BlockDecoder::kQ5_0},
+    {"Q5_0", 32, 22, 5, false, BlockDecoder::kQ5_0},
 };
 
 inline uint16_t half_bits(float x) { return c10::Half(x).x; }  // round to nearest even
@@ -100,8 +114,8 @@ inline void nibble_group(const uint8_t* src, int shift, uint8_t* out) {
 // the low and high nibbles of bytes 32i..32i + 31) as d sc and -dmin m rounded to fp16; Q6_K
 // (128 bytes of low nibbles, 64 of high pairs, 16 int8 sc, fp16 d) as codes q in [0, 63]
 // with scales d sc per 16 values rounded to fp16 (ggml's dequantizers' order); Q5_0 (fp16 d,
-// 32 high bits, 16 bytes of low nibbles as Q4_0's) exactly as 8-bit codes q - 16 (all 0
-// where d is 0, as the converter writes them).
+// 32 high bits, 16 bytes of low nibbles as Q4_0's) exactly, as 5-bit codes q in [0, 31]
+// (value d (q - 16)): Q4_0's nibbles and 4 bytes of high bits (store_high_bits).
 void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8_t* out,
                   uint16_t* d, uint16_t* m, int64_t P) {
   for (int64_t blk = 0; blk < K / type.values; ++blk) {
@@ -157,12 +171,13 @@ void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8
       std::memcpy(d + blk * P, b, 2);
       uint32_t qh;
       std::memcpy(&qh, b + 2, 4);
-      const bool zero = ((b[0] | b[1] << 8) & 0x7fff) == 0;
+      uint8_t q[32];
       for (int t = 0; t < 32; ++t) {
         const int low = t < 16 ? b[6 + t] & 15 : b[6 + t - 16] >> 4;
-        const int code = (low | (qh >> t & 1) << 4) - 16;
-        out[32 * blk + t] = uint8_t(zero ? 0 : code) ^ 0x80;
+        q[t] = static_cast<uint8_t>(low | (qh >> t & 1) << 4);
       }
+      store_nibbles(q, out + 20 * blk);
+      store_high_bits(q, out + 20 * blk + 16);
       continue;
     }
     const int64_t head = type.offsets ? 4 : 2;
@@ -186,7 +201,8 @@ void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8
 void check_group_panels(const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, int64_t row, int64_t n,
                         int64_t bits, const char* op) {
-  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, op, ": bits must be 4, 6 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, op,
+              ": bits must be 4, 5, 6 or 8");
   TORCH_CHECK(codes.dim() == 4 && codes.size(3) == 4 && codes.scalar_type() == at::kByte &&
                   codes.is_contiguous(),
               op, ": codes must be contiguous uint8 panels [P, lanes, panel, 4]");
@@ -211,7 +227,7 @@ void group_pack_codes(at::Tensor codes, at::Tensor scales, c10::optional<at::Ten
   const int64_t n = q_in.size(0), K = q_in.size(1);
   check_group_panels(codes, scales, mins, row, n, bits, op);
   TORCH_CHECK(q_in.scalar_type() == (bits == 8 ? at::kChar : at::kByte), op,
-              ": codes must be int8 for 8 bits, uint8 for 4 and 6");
+              ": codes must be int8 for 8 bits, uint8 for 4, 5 and 6");
   const int64_t Q = codes.size(1), P = codes.size(2), per = bits == 6 ? 16 : 32;
   TORCH_CHECK(K % 32 == 0 && Q * 4 == K * bits / 8 && scales.size(1) == K / per, op,
               ": codes [", n, ", ", K, "] do not match the panels");
