@@ -521,8 +521,9 @@ class GroupLinear(nn.Module):
     8i + 4 + j in the high one) consecutive k in one 32-bit lane; 6-bit codes as their low
     nibbles the 4-bit way, then per group the high pairs of 16 k in a lane (k = 16h + 4c + j in
     bits 2c of byte j); 5-bit codes as their low nibbles, then per group their high bits in one
-    lane (k = 8i + j in bit 2i of byte j, 8i + 4 + j in bit 2i + 1). Every step runs `ember_cpu::group_linear`, which quantizes x to int8 per
-    group of 32 and sums the products in int32 (llama.cpp's scheme; see the kernel).
+    lane (k = 8i + j in bit 2i of byte j, 8i + 4 + j in bit 2i + 1). Every step runs
+    `ember_cpu::group_linear`, which quantizes x to int8 per group of 32 and sums the products
+    in int32 (llama.cpp's scheme; see the kernel).
     `codes [N, K]`, `scales`/`mins [N, K / 32]` (`bits=6`: scales `[N, K / 16]`)."""
 
     codes: torch.Tensor
