@@ -90,13 +90,15 @@ def key_parts(
 
 @functools.cache
 def sources_fingerprint() -> str:
-    """sha256 over ember's .py and .cpp files (names and contents); about 1 ms."""
+    """sha256 over ember's .py, .cpp and .h files (names and contents; the kernels' families
+    live in headers since the C++ split, and a layout change there must miss the weights and
+    compile caches); about 1 ms."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     h = hashlib.sha256()
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         for name in sorted(filenames):
-            if name.endswith((".py", ".cpp")):
+            if name.endswith((".py", ".cpp", ".h")):
                 path = os.path.join(dirpath, name)
                 h.update(os.path.relpath(path, root).encode())
                 with open(path, "rb") as f:

@@ -106,3 +106,28 @@ def test_the_entry_follows_the_checkpoint_and_the_settings(checkpoint_dir, tmp_p
     weights = next(p for p in path.iterdir() if p.suffix == ".safetensors")
     os.utime(weights, ns=(0, 0))  # a changed file: its own entry, the same model
     assert load() == default and len(_entries(root)) == 4
+
+
+def test_the_sources_fingerprint_covers_the_kernel_headers(tmp_path, monkeypatch):
+    """The weights and compile caches are keyed by ember's sources; the kernels' families live
+    in headers (linear_group.h holds the group layouts), so a change to any of them is a new
+    fingerprint (a copy of the package with one byte more in each header in turn)."""
+    import shutil
+
+    import ember
+    from ember.compiler import cache
+
+    root = os.path.dirname(os.path.abspath(ember.__file__))
+    copy = tmp_path / "ember"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    monkeypatch.setattr(cache, "__file__", str(copy / "compiler" / "cache.py"))
+    fingerprint = cache.sources_fingerprint.__wrapped__  # the cached one is per process
+    base = fingerprint()
+    headers = sorted((copy / "kernels" / "csrc").glob("*.h"))
+    assert headers
+    for header in headers:
+        text = header.read_text()
+        header.write_text(text + "\n")
+        assert fingerprint() != base, header.name
+        header.write_text(text)
+    assert fingerprint() == base
