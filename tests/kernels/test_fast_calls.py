@@ -72,8 +72,8 @@ def test_fast_attention_call_equals_its_op(softcap):
 def test_fast_calls_raise_what_the_ops_raise():
     x, codes, scales, mins, bias, n, _ = _group_args()
     fast = _fast("group_linear")
-    with pytest.raises(RuntimeError, match="bits must be 4, 6 or 8, got 5"):
-        fast(x, codes, scales, mins, bias, n, 5)
+    with pytest.raises(RuntimeError, match="bits must be 4, 5, 6 or 8, got 7"):
+        fast(x, codes, scales, mins, bias, n, 7)
     with pytest.raises(RuntimeError, match="x has 63 features"):
         fast(x[..., :63].contiguous(), codes, scales, mins, bias, n, 4)
     with pytest.raises(OverflowError):
