@@ -419,21 +419,25 @@ def _architecture(reader: Any, path: str) -> str:
     return arch
 
 
+def _matrix_types(path: str) -> Counter[str]:
+    """How many 2-D tensors of each type the file holds, from its (light) reader."""
+    tensors = _reader(path, light=True).tensors
+    return Counter(t.tensor_type.name for t in tensors if len(t.shape) > 1)
+
+
 def weight_types(path: str) -> Counter[str]:
     """How many 2-D tensors of each type the file holds (for reports)."""
     try:
-        tensors = _reader(path, light=True).tensors
-        return Counter(t.tensor_type.name for t in tensors if len(t.shape) > 1)
+        return _matrix_types(path)
     finally:
         release(path)
 
 
 def has_quantized_weights(path: str) -> bool:
-    """Whether any 2-D tensor of the file is of a quantized type (not F32, F16 or BF16). Reads
-    the reader the load's config step left open (no second parse; the load releases it)."""
-    floats = ("F32", "F16", "BF16")
-    tensors = _reader(path, light=True).tensors
-    return any(t.tensor_type.name not in floats for t in tensors if len(t.shape) > 1)
+    """Whether any 2-D tensor of the file is of a quantized type (not one of `DENSE_TYPES`).
+    Reads the reader the load's config step left open (no second parse; the load releases
+    it)."""
+    return any(t not in DENSE_TYPES for t in _matrix_types(path))
 
 
 def load_gguf_config(path: str) -> PretrainedConfig:

@@ -276,11 +276,14 @@ class EngineArgs:
         # "auto": as narrow as the weights where steps decode, int8 where they are quantized
         # (`resolve_kv_cache_dtype` says why); an encoder-only model attends each input once,
         # so its cache is only a staging area: kept in the math's dtype.
-        quantized = quantization is not None or (
+        if spec.task == "embed":
+            narrow = run_dtype
+        elif quantization is not None or (
             spec.gguf_file is not None and has_quantized_weights(spec.gguf_file)
-        )
-        narrow = torch.int8 if quantized else weight_dtype
-        narrow = run_dtype if spec.task == "embed" else narrow
+        ):
+            narrow = torch.int8
+        else:
+            narrow = weight_dtype
         kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, narrow, run_dtype)
         try:
             backend = select_backend(
@@ -498,7 +501,7 @@ def resolve_kv_cache_dtype(
     if run_dtype == torch.bfloat16 and resolved == torch.float32:
         raise ValueError(
             f"kv_cache_dtype={str(resolved).removeprefix('torch.')!r}: this engine computes "
-            "in bfloat16 (native bf16 math), which needs a bfloat16 KV cache; use "
+            "in bfloat16 (native bf16 math), which needs a bfloat16 or int8 KV cache; use "
             "dtype='float32' for a float32 cache"
         )
     return resolved

@@ -150,18 +150,10 @@ inline vint isub(vint a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi
 inline vint iadd(vint a, vint b) { return _mm512_add_epi32(a, b); }
 inline vint flip_bytes(vint v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
 inline vint ior(vint a, vint b) { return _mm512_or_si512(a, b); }
-// Bits 4-5 of each byte: the 2-bit field at bit S of each byte of v moved there (6-bit codes).
-template <int S>
-inline vint high_pair(vint v) {
-  const vint mask = _mm512_set1_epi8(0x30);
-  if constexpr (S < 4) return _mm512_and_si512(_mm512_slli_epi16(v, 4 - S), mask);
-  if constexpr (S == 4) return _mm512_and_si512(v, mask);
-  return _mm512_and_si512(_mm512_srli_epi16(v, S - 4), mask);
-}
-// Bit 4 of each byte: bit S of each byte of v moved there (5-bit codes).
-template <int S>
-inline vint high_bit(vint v) {
-  const vint mask = _mm512_set1_epi8(0x10);
+// The bits of each byte at S (and above, within Mask) moved to bit 4, the rest masked off.
+template <int S, int Mask>
+inline vint field_to_bit4(vint v) {
+  const vint mask = _mm512_set1_epi8(Mask);
   if constexpr (S < 4) return _mm512_and_si512(_mm512_slli_epi16(v, 4 - S), mask);
   if constexpr (S == 4) return _mm512_and_si512(v, mask);
   return _mm512_and_si512(_mm512_srli_epi16(v, S - 4), mask);
@@ -205,16 +197,9 @@ inline vint isub(vint a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi
 inline vint iadd(vint a, vint b) { return _mm256_add_epi32(a, b); }
 inline vint flip_bytes(vint v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
 inline vint ior(vint a, vint b) { return _mm256_or_si256(a, b); }
-template <int S>
-inline vint high_pair(vint v) {
-  const vint mask = _mm256_set1_epi8(0x30);
-  if constexpr (S < 4) return _mm256_and_si256(_mm256_slli_epi16(v, 4 - S), mask);
-  if constexpr (S == 4) return _mm256_and_si256(v, mask);
-  return _mm256_and_si256(_mm256_srli_epi16(v, S - 4), mask);
-}
-template <int S>
-inline vint high_bit(vint v) {
-  const vint mask = _mm256_set1_epi8(0x10);
+template <int S, int Mask>
+inline vint field_to_bit4(vint v) {
+  const vint mask = _mm256_set1_epi8(Mask);
   if constexpr (S < 4) return _mm256_and_si256(_mm256_slli_epi16(v, 4 - S), mask);
   if constexpr (S == 4) return _mm256_and_si256(v, mask);
   return _mm256_and_si256(_mm256_srli_epi16(v, S - 4), mask);
@@ -279,6 +264,17 @@ constexpr int kGroup6RowBlock = 4;
 #endif
 
 #ifdef EMBER_SIMD
+// Bits 4-5 of each byte: the 2-bit field at bit S of each byte moved there (6-bit codes).
+template <int S>
+inline vint high_pair(vint v) {
+  return field_to_bit4<S, 0x30>(v);
+}
+// Bit 4 of each byte: bit S of each byte moved there (5-bit codes).
+template <int S>
+inline vint high_bit(vint v) {
+  return field_to_bit4<S, 0x10>(v);
+}
+
 // Sums of one lane row of 4-bit (or widened 6-bit) codes, k 8i .. 8i + 7 of a panel's two
 // vectors of channels (lo0/lo1: the low four k, hi0/hi1: the high four), times each row's x
 // (xg: the group's, a row every K). One row in four chains (s, then e for the high k: a decode
