@@ -11,11 +11,11 @@ loader dequantizes every tensor to fp32. Here each tensor is placed in the model
   exactly (fp16 scales, 8- or 4-bit codes, multiplied by ember's int8 dot-product kernel); a
   table in one of those types becomes a `GroupEmbedding` over the same codes, shared with a
   tied LM head;
-- Q4_K weights (most of a Q4_K_M file) become 4-bit codes with offsets: each sub-block of 32
-  is a Q4_1 group whose scale d * sc and offset -dmin * m are rounded to fp16 (within 2^-11 of
-  each, against a step of 1/15 of the group's range for a requantization);
-- Q6_K weights (a Q4_K_M file's LM head and half its V and down projections, and the head of
-  most Q4_0 files) become 6-bit codes with a scale per 16, d * sc rounded to fp16;
+- Q4_K weights (most of a Q4_K_M file) and Q6_K weights (a Q4_K_M file's LM head and half its
+  V and down projections, and the head of most Q4_0 files) are kept as they are, in
+  super-blocks of 256: 4-bit codes with a 6-bit scale and offset per 32 and fp16 d and dmin
+  per 256, and 6-bit codes with an int8 scale per 16 and fp16 d per 256 (4.5 and 6.56 bits a
+  weight, as in the file);
 - Q5_0 weights become 5-bit codes exactly (5.5 bits a weight, as in the file); every other
   quantized type (Q5_K, Q5_1, IQ*) is
   dequantized tensor by tensor (the `gguf` package's numpy reference) and requantized to 8-bit
@@ -65,6 +65,7 @@ from ember.compiler.quant import (
     PackedEmbedding,
     PackedLinear,
     Rows,
+    SuperRows,
     cat_biases,
     gathers_rows,
     place_fused,
@@ -594,7 +595,7 @@ def _blocks(raw: np.ndarray, rows: int, block_bytes: int) -> torch.Tensor:
 Release = Callable[[np.ndarray], None] | None
 
 
-def _converter(qtype: Any) -> tuple[int, Callable[[np.ndarray], Rows]]:
+def _converter(qtype: Any) -> tuple[int, Callable[[np.ndarray], Rows | SuperRows]]:
     """The code width of a quantized GGUF type in a `GroupLinear`, and its rows' converter."""
     name = qtype.name
     if name in KEPT_TYPES:
@@ -608,7 +609,9 @@ def _converter(qtype: Any) -> tuple[int, Callable[[np.ndarray], Rows]]:
     return 8, functools.partial(_values_rows, tensor_type=qtype)
 
 
-def _row_chunks(raw: np.ndarray, qtype: Any, release: Release) -> Iterator[Rows | Blocks]:
+def _row_chunks(
+    raw: np.ndarray, qtype: Any, release: Release
+) -> Iterator[Rows | SuperRows | Blocks]:
     """(codes, scales, mins) of `raw` (a `qtype` tensor's bytes, one row of blocks per output
     channel) a `row_chunk()` of rows at a time, for `GroupLinear.from_row_chunks`: a
     conversion's temporaries (codes one byte a value, widened copies) exist for one chunk at a
@@ -693,23 +696,24 @@ KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 DENSE_TYPES = ("F32", "F16", "BF16")
 
 
-def _q4_k_rows(raw: np.ndarray) -> Rows:
+def _q4_k_rows(raw: np.ndarray) -> SuperRows:
+    """Rows of a Q4_K tensor as they are (see `group_linear_from_q4_k`)."""
     from gguf.quants import Q4_K
 
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(rows, -1, 144)
     supers = blocks.shape[1]
-    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, supers, 1]
-    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    d = torch.from_numpy(blocks[..., 0:2].copy()).view(torch.float16)[..., 0]  # [rows, supers]
+    dmin = torch.from_numpy(blocks[..., 2:4].copy()).view(torch.float16)[..., 0]
     sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
-    scales = d * sc.reshape(rows, supers, 8).astype(np.float32)
-    mins = -dmin * m.reshape(rows, supers, 8).astype(np.float32)
     qs = blocks[..., 16:].reshape(rows, supers, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
     codes = (qs & 15).reshape(rows, -1)
-    return (
+    return SuperRows(
         torch.from_numpy(codes),
-        torch.from_numpy(scales.reshape(rows, -1)),
-        torch.from_numpy(mins.reshape(rows, -1)),
+        torch.from_numpy(sc.reshape(rows, -1).astype(np.uint8)),
+        torch.from_numpy(m.reshape(rows, -1).astype(np.uint8)),
+        d,
+        -dmin,
     )
 
 
@@ -719,14 +723,15 @@ def group_linear_from_q4_k(
     """A Q4_K weight as a 4-bit `GroupLinear` with offsets. A Q4_K super-block of 256 values is
     fp16 d and dmin, twelve bytes of 6-bit scales sc and offsets m (one pair per sub-block of
     32), then 128 bytes whose low nibbles are the codes of sub-block 2i and high nibbles of
-    2i + 1 (bytes 32i to 32i + 31): w = d sc q - dmin m, which is a Q4_1 group with scale
-    d sc and offset -dmin m (rounded to fp16 here)."""
+    2i + 1 (bytes 32i to 32i + 31): w = d sc q - dmin m, kept as it is in super-block panels
+    (4.5 bits a weight and 32 bits of d and -dmin per 256; see `GroupLinear`)."""
     from gguf import GGMLQuantizationType
 
     return group_linear_from_file(raw, GGMLQuantizationType.Q4_K, bias, release)
 
 
-def _q6_k_rows(raw: np.ndarray) -> Rows:
+def _q6_k_rows(raw: np.ndarray) -> SuperRows:
+    """Rows of a Q6_K tensor as they are (see `group_linear_from_q6_k`)."""
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(rows, -1, 210)
     supers = blocks.shape[1]
@@ -734,11 +739,13 @@ def _q6_k_rows(raw: np.ndarray) -> Rows:
     qh = blocks[..., 128:192].reshape(rows, supers, 2, 1, 32)
     qh = qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]
     codes = (ql & 15).reshape(rows, supers, 8, 32) | (qh & 3).reshape(rows, supers, 8, 32) << 4
-    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
-    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
-    return (
+    sc = blocks[..., 192:208].copy().view(np.int8)
+    d = torch.from_numpy(blocks[..., 208:210].copy()).view(torch.float16)[..., 0]
+    return SuperRows(
         torch.from_numpy(codes.reshape(rows, -1)),
-        torch.from_numpy((d * sc).reshape(rows, -1)),
+        torch.from_numpy(sc.reshape(rows, -1)),
+        None,
+        d,
         None,
     )
 
@@ -748,7 +755,8 @@ def group_linear_from_q6_k(
 ) -> GroupLinear:
     """A Q6_K weight as a 6-bit `GroupLinear`. A Q6_K super-block of 256 values is 128 bytes
     of low nibbles, 64 bytes of high pairs, 16 int8 scales sc (one per 16 values) and fp16 d:
-    w = d sc (q - 32), q in [0, 63], in the order of the `gguf` package's dequantizer."""
+    w = d sc (q - 32), q in [0, 63], in the order of the `gguf` package's dequantizer; kept
+    as it is in super-block panels (6.5 bits a weight and 16 bits of d per 256)."""
     from gguf import GGMLQuantizationType
 
     return group_linear_from_file(raw, GGMLQuantizationType.Q6_K, bias, release)
@@ -844,7 +852,7 @@ def weights_arena(path: str) -> Iterator[None]:
         bits, _ = _converter(qtype)
         offsets = qtype.name in ("Q4_1", "Q4_K")
         n, k = int(tensor.shape[1]), int(tensor.shape[0])
-        packed += GroupLinear.packed_nbytes(n, k, bits, offsets)
+        packed += GroupLinear.packed_nbytes(n, k, bits, offsets, qtype.name in ("Q4_K", "Q6_K"))
     # Room for fused groups' and alignment's slack; only `packed` is faulted in ahead.
     with weight_arena(packed + packed // 8 + (4 << 20), packed):
         yield

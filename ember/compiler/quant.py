@@ -484,6 +484,24 @@ def _from_panels(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 # [n, K / 32] (6 bits: [n, K / 16]) and offsets shaped as scales, or None.
 Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
+# Super-blocks of 256 values (8 groups of 32): GGUF's Q4_K and Q6_K kept as the file holds them.
+SUPER_BLOCK = 256
+
+
+class SuperRows(NamedTuple):
+    """Rows of a weight in super-blocks of 256 values (GGUF's k-quants, kept as they are):
+    `codes` [n, K] uint8 (4-bit q in [0, 15], or 6-bit q in [0, 63]); `sub` the sub-blocks'
+    scales, [n, K / 32] uint8 (Q4_K's 6-bit sc) or [n, K / 16] int8 (Q6_K's); `sub_mins`
+    [n, K / 32] uint8 (Q4_K's 6-bit m) or None; `d` [n, K / 256] fp16 and `dm` (Q4_K: the
+    offsets' scale, -dmin) or None. The value is d sc q + dm m (4-bit) or d sc (q - 32)
+    (6-bit)."""
+
+    codes: torch.Tensor
+    sub: torch.Tensor
+    sub_mins: torch.Tensor | None
+    d: torch.Tensor
+    dm: torch.Tensor | None
+
 
 class Blocks(NamedTuple):
     """Rows of a weight as a GGUF file holds them: `data`, the bytes [n, row bytes] of blocks
@@ -496,17 +514,15 @@ class Blocks(NamedTuple):
     type: str
 
 
-# GGUF types the kernels pack from the file's blocks: their code bits and whether they have
-# offsets. Q8_0 / Q4_0 / Q4_1 / Q5_0 exactly; Q4_K and Q6_K with each
-# 32 (16) values' scale (and offset) rounded to fp16, as their converters in
-# `ember.compiler.gguf` do.
+# GGUF types the kernels pack from the file's blocks, all exactly: their code bits, whether
+# they have offsets, and whether they are laid out in super-blocks (Q4_K, Q6_K).
 BLOCK_TYPES = {
-    "Q8_0": (8, False),
-    "Q4_0": (4, False),
-    "Q4_1": (4, True),
-    "Q4_K": (4, True),
-    "Q6_K": (6, False),
-    "Q5_0": (5, False),
+    "Q8_0": (8, False, False),
+    "Q4_0": (4, False, False),
+    "Q4_1": (4, True, False),
+    "Q4_K": (4, True, True),
+    "Q6_K": (6, False, True),
+    "Q5_0": (5, False, False),
 }
 
 
@@ -516,12 +532,18 @@ class GroupLinear(nn.Module):
     q in [-127, 127]: GGUF's Q8_0), d (q - 8) (`bits=4` without offsets, q in [0, 15]: Q4_0),
     d q + m (`bits=4` with offsets: Q4_1, Q4_K, and `quantization="int4"`) or d (q - 32) with a
     scale per 16 k (`bits=6`, q in [0, 63]: Q6_K) or d (q - 16) (`bits=5`, q in [0, 31]:
-    Q5_0). Packed once into panels with each channel's
+    Q5_0); or, for GGUF's Q4_K and Q6_K, in super-blocks of 256 (`SuperRows`): w = d sc q +
+    dm m or d sc (q - 32) with fp16 d (and dm) per 256 and an 8-bit sc (and m) per 32 (16),
+    as the file holds them: 4.5 and 6.5 bits a weight plus 32 (16) per 256, where fp16
+    scales per group took 5 and 7. Packed once into panels with each channel's
     codes for 4 (8-bit, stored as q + 128) or 8 (4-bit, k = 8i + j in the low nibble of byte j,
     8i + 4 + j in the high one) consecutive k in one 32-bit lane; 6-bit codes as their low
     nibbles the 4-bit way, then per group the high pairs of 16 k in a lane (k = 16h + 4c + j in
     bits 2c of byte j); 5-bit codes as their low nibbles, then per group their high bits in one
-    lane (k = 8i + j in bit 2i of byte j, 8i + 4 + j in bit 2i + 1). Every step runs
+    lane (k = 8i + j in bit 2i of byte j, 8i + 4 + j in bit 2i + 1); super-blocks as 4 lanes
+    of sub-block scales per channel (Q4_K: sc, then m, group j in byte j % 4 of lane j / 4;
+    Q6_K: the 16 int8 sc), then their 8 groups' codes, with d (and dm) in `scales` (`mins`)
+    [P, K / 256, panel]. Every step runs
     `ember_cpu::group_linear`, which quantizes x to int8 per group of 32 and sums the products
     in int32 (llama.cpp's scheme; see the kernel).
     `codes [N, K]`, `scales`/`mins [N, K / 32]` (`bits=6`: scales `[N, K / 16]`)."""
@@ -548,7 +570,7 @@ class GroupLinear(nn.Module):
         cls,
         out_features: int,
         bits: int,
-        chunks: Iterable[Rows | Blocks],
+        chunks: Iterable[Rows | SuperRows | Blocks],
         bias: torch.Tensor | None = None,
     ) -> GroupLinear:
         """A `GroupLinear` built from consecutive row ranges of the weight, each packed into the
@@ -561,8 +583,11 @@ class GroupLinear(nn.Module):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         if isinstance(first, Blocks):
-            offsets = BLOCK_TYPES[first.type][1]
-            self._allocate(out_features, first.in_features, bits, offsets, bias)
+            _, offsets, super_blocks = BLOCK_TYPES[first.type]
+            self._allocate(out_features, first.in_features, bits, offsets, bias, super_blocks)
+        elif isinstance(first, SuperRows):
+            offsets = first.sub_mins is not None
+            self._allocate(out_features, first.codes.shape[1], bits, offsets, bias, True)
         else:
             self._allocate(out_features, first[0].shape[1], bits, first[2] is not None, bias)
         row = self._pack(0, first)
@@ -572,13 +597,23 @@ class GroupLinear(nn.Module):
             raise ValueError(f"GroupLinear: chunks hold {row} rows, expected {out_features}")
         return self
 
-    def _pack(self, row: int, chunk: Rows | Blocks) -> int:
+    def _pack(self, row: int, chunk: Rows | SuperRows | Blocks) -> int:
         if isinstance(chunk, Blocks):
             return self._pack_blocks(row, chunk)
+        if isinstance(chunk, SuperRows):
+            return self._pack_super_rows(row, chunk)
+        if self.super_blocks:
+            raise ValueError("GroupLinear: super-block panels take SuperRows or Blocks")
         return self._pack_rows(row, *chunk)
 
     def _allocate(
-        self, n: int, k: int, bits: int, offsets: bool, bias: torch.Tensor | None
+        self,
+        n: int,
+        k: int,
+        bits: int,
+        offsets: bool,
+        bias: torch.Tensor | None,
+        super_blocks: bool = False,
     ) -> None:
         """Zeroed panels for an [n, k] weight of `bits`-bit codes (see the class doc)."""
         kernels.prebuild()  # laid out for the build's panel width; `forward` waits for it
@@ -588,8 +623,14 @@ class GroupLinear(nn.Module):
             raise ValueError(f"GroupLinear: K must be a multiple of {GROUP_SIZE}, got {k}")
         if offsets and bits != 4:
             raise ValueError("GroupLinear: offsets (mins) are for 4-bit codes, shaped as scales")
+        if super_blocks and (k % SUPER_BLOCK or (bits, offsets) not in ((4, True), (6, False))):
+            raise ValueError(
+                f"GroupLinear: super-blocks are 4-bit codes with offsets or 6-bit codes, K a "
+                f"multiple of {SUPER_BLOCK}; got {bits} bits, offsets {offsets}, K = {k}"
+            )
         self.in_features, self.out_features, self.bits = k, n, bits
-        panels, code_bytes, scale_cols, panel = self._layout(n, k, bits)
+        self.super_blocks = super_blocks
+        panels, code_bytes, scale_cols, panel = self._layout(n, k, bits, super_blocks)
         codes = weight_zeros((panels, code_bytes // 4, panel, 4), torch.uint8)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", weight_zeros((panels, scale_cols, panel), torch.half))
@@ -598,16 +639,21 @@ class GroupLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     @staticmethod
-    def _layout(n: int, k: int, bits: int) -> tuple[int, int, int, int]:
+    def _layout(n: int, k: int, bits: int, super_blocks: bool = False) -> tuple[int, int, int, int]:
         """(panels, code bytes a row, scale columns, panel width) of an [n, k] weight."""
         panel = kernels.panel_width()
+        if super_blocks:  # 16 bytes of sub-block scales, then the 8 groups' codes
+            per_super = {4: 144, 6: 208}[bits]
+            return -(-n // panel), k // SUPER_BLOCK * per_super, k // SUPER_BLOCK, panel
         code_bytes = {8: k, 4: k // 2, 5: k // GROUP_SIZE * 20, 6: k // GROUP_SIZE * 24}[bits]
         return -(-n // panel), code_bytes, k // (16 if bits == 6 else GROUP_SIZE), panel
 
     @classmethod
-    def packed_nbytes(cls, n: int, k: int, bits: int, offsets: bool) -> int:
+    def packed_nbytes(
+        cls, n: int, k: int, bits: int, offsets: bool, super_blocks: bool = False
+    ) -> int:
         """The bytes of the tensors an [n, k] weight of `bits`-bit codes is packed into."""
-        panels, code_bytes, scale_cols, panel = cls._layout(n, k, bits)
+        panels, code_bytes, scale_cols, panel = cls._layout(n, k, bits, super_blocks)
         return panels * panel * (code_bytes + scale_cols * 2 * (2 if offsets else 1))
 
     def _pack_rows(
@@ -664,11 +710,56 @@ class GroupLinear(nn.Module):
             self.mins[p0:p1] = _panels(mins)
         return row + n
 
+    def _pack_super_rows(self, row: int, rows: SuperRows) -> int:
+        """Pack rows [row, row + n) of super-blocks (a PyTorch re-layout: the reference of
+        `group_pack_blocks` for Q4_K and Q6_K, which writes the same bytes)."""
+        n, k = rows.codes.shape
+        bits, panel = self.bits, self.codes.shape[2]
+        supers, per_sub = k // SUPER_BLOCK, 16 if bits == 6 else GROUP_SIZE
+        shapes_ok = (
+            self.super_blocks
+            and k == self.in_features
+            and rows.sub.shape == (n, k // per_sub)
+            and rows.d.shape == (n, supers)
+            and (rows.sub_mins is None) == (self.mins is None) == (rows.dm is None)
+            and (rows.sub_mins is None or rows.sub_mins.shape == (n, k // GROUP_SIZE))
+            and (rows.dm is None or rows.dm.shape == (n, supers))
+        )
+        if not shapes_ok:
+            raise ValueError(
+                f"GroupLinear: super-block rows [{n}, {k}] do not fit {bits}-bit super-block "
+                f"panels of K = {self.in_features}"
+            )
+        if row % panel or row + n > self.out_features:
+            raise ValueError(
+                f"GroupLinear: rows [{row}, {row + n}) do not start a panel of {panel} or pass "
+                f"{self.out_features} rows"
+            )
+        codes = rows.codes.to(torch.uint8)
+        octets = (codes & 15).view(n, k // 8, 2, 4)
+        stored = (octets[:, :, 0] | (octets[:, :, 1] << 4)).view(n, k // GROUP_SIZE, 16)
+        if bits == 6:  # each group's 16 nibble bytes, then its 8 bytes of high pairs
+            pairs = (codes >> 4).view(n, k // 16, 4, 4)
+            high = pairs[:, :, 0] | pairs[:, :, 1] << 2 | pairs[:, :, 2] << 4 | pairs[:, :, 3] << 6
+            stored = torch.cat((stored, high.view(n, k // GROUP_SIZE, 8)), dim=2)
+            subs = rows.sub.to(torch.int8).contiguous().view(torch.uint8).view(n, supers, 16)
+        else:
+            sc = rows.sub.to(torch.uint8).view(n, supers, 8)
+            subs = torch.cat((sc, rows.sub_mins.to(torch.uint8).view(n, supers, 8)), dim=2)
+        stored = torch.cat((subs, stored.reshape(n, supers, -1)), dim=2).view(n, -1)
+        p0, p1 = row // panel, -(-(row + n) // panel)
+        self.codes[p0:p1] = _quad_panels(stored)
+        self.scales[p0:p1] = _panels(rows.d.to(torch.float16))
+        if rows.dm is not None:
+            self.mins[p0:p1] = _panels(rows.dm.to(torch.float16))
+        return row + n
+
     def _pack_blocks(self, row: int, blocks: Blocks) -> int:
         """Pack rows [row, row + len(blocks.data)) straight from a GGUF file's blocks."""
         if blocks.in_features != self.in_features or BLOCK_TYPES.get(blocks.type) != (
             self.bits,
             self.mins is not None,
+            self.super_blocks,
         ):
             raise ValueError(
                 f"GroupLinear: {blocks.type} blocks of {blocks.in_features} values a row do "
@@ -698,6 +789,8 @@ class GroupLinear(nn.Module):
         if isinstance(ids, slice):
             ids = torch.arange(self.out_features)[ids]
         stored = _from_panels(self.codes, ids)  # [..., K / 4, K / 8 or 6 K / 32, 4]
+        if self.super_blocks:
+            return self._super_rows(stored, ids)
         if self.bits == 6:
             lanes = stored.unflatten(-2, (-1, 6))  # [..., groups, 6 lanes, 4]
             nibbles = lanes[..., :4, :]
@@ -726,9 +819,30 @@ class GroupLinear(nn.Module):
             w = groups * scales
         return w.flatten(-2)
 
+    def _super_rows(self, stored: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`rows` of super-block panels: stored [..., lanes, 4] of the rows `ids`."""
+        per_super = {4: 36, 6: 52}[self.bits]
+        lanes = stored.unflatten(-2, (-1, per_super))  # [..., supers, lanes, 4]
+        subs, lanes = lanes[..., :4, :].flatten(-2), lanes[..., 4:, :]  # 16 bytes, codes
+        d = _from_panels(self.scales, ids).float()[..., None]  # [..., supers, 1]
+        if self.bits == 6:
+            groups = lanes[..., :48, :].unflatten(-2, (8, 6))  # [..., supers, 8, 6, 4]
+            high = groups[..., 4:, :].unsqueeze(-2) >> torch.tensor([0, 2, 4, 6])[:, None] & 3
+            low = _nibbles(groups[..., :4, :])
+            codes = (low | high.flatten(-3) << 4).flatten(-2).to(torch.int16) - 32
+            sc = (subs.to(torch.int16) + 128) % 256 - 128  # the int8 scales
+            w = codes.unflatten(-1, (16, 16)).float() * (d * sc.float())[..., None]
+            return w.flatten(-3)
+        codes = _nibbles(lanes[..., :32, :].unflatten(-2, (8, 4))).float()  # [.., supers, 8, 32]
+        dm = _from_panels(self.mins, ids).float()[..., None]
+        scale, offset = d * subs[..., :8].float(), dm * subs[..., 8:].float()
+        return (codes * scale[..., None] + offset[..., None]).flatten(-3)
+
     def extra_repr(self) -> str:
         kind = {8: "q8_0", 6: "q6_k", 5: "q5_0", 4: "q4_1" if self.mins is not None else "q4_0"}
         kind = kind[self.bits]
+        if self.super_blocks:
+            kind = {4: "q4_k", 6: "q6_k"}[self.bits] + " super-block"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind} groups"
 
 

@@ -437,6 +437,123 @@ def test_group_linear_contract():
         assert ((back - w).abs() <= step * bound + 1e-3).all(), (bits, symmetric)
 
 
+# ---- super-blocks of 256 (GGUF Q4_K / Q6_K kept as the file holds them) ----
+
+SUPER_KINDS = [4, 6]
+SUPER_IDS = ["q4_k", "q6_k"]
+
+
+def _super_case(rows: int, n: int, k: int, bits: int, bias: bool = True):
+    """Random super-block rows (`SuperRows`) and the float64 product of the quantized x with
+    their values written out: w = d sc q + dm m (Q4_K: 6-bit sc and m per 32, fp16 d and dm
+    per 256) or d sc (q - 32) (Q6_K: int8 sc per 16, fp16 d per 256)."""
+    from ember.compiler.quant import SuperRows
+
+    g = torch.Generator().manual_seed(rows * 7919 + n * 31 + k + bits + 1)
+    x = torch.randn(rows, k, generator=g)
+    supers = k // 256
+    codes = torch.randint(0, 16 if bits == 4 else 64, (n, k), generator=g).to(torch.uint8)
+    d = (torch.rand(n, supers, generator=g) * 0.002 + 1e-4).half()
+    d64 = d.double()[..., None]
+    if bits == 4:
+        sub = torch.randint(0, 64, (n, k // 32), generator=g).to(torch.uint8)
+        sub_mins = torch.randint(0, 64, (n, k // 32), generator=g).to(torch.uint8)
+        dm = (-torch.rand(n, supers, generator=g) * 0.002).half()
+        scale = d64 * sub.double().view(n, supers, 8)
+        offset = dm.double()[..., None] * sub_mins.double().view(n, supers, 8)
+        w = codes.double().view(n, supers, 8, 32) * scale[..., None] + offset[..., None]
+    else:
+        sub = torch.randint(-128, 128, (n, k // 16), generator=g).to(torch.int8)
+        sub_mins = dm = None
+        scale = d64 * sub.double().view(n, supers, 16)
+        w = (codes.double().view(n, supers, 16, 16) - 32) * scale[..., None]
+    w = w.reshape(n, k)
+    b = torch.randn(n, generator=g) if bias else None
+    ref = group_quantized_x(x).double() @ w.t() + (b.double() if b is not None else 0)
+    return x, SuperRows(codes, sub, sub_mins, d, dm), b, ref, w
+
+
+@pytest.mark.parametrize("bits", SUPER_KINDS, ids=SUPER_IDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize(("n", "k"), [(45, 256), (1, 512), (257, 1280), (64, 2304)])
+def test_super_block_linear_matches_float64(bits, rows, n, k):
+    """Every row-block size, partial panels, a single channel, super-blocks across 1024-deep
+    slices: exact int32 sums, so only fp32 scaling differs; the rows the embedding gathers
+    are the weight's values."""
+    from ember.compiler.quant import GroupLinear
+
+    x, chunk, b, ref, w = _super_case(rows, n, k, bits, bias=n != 64)
+    linear = GroupLinear.from_row_chunks(n, bits, [chunk], b)
+    assert linear.super_blocks and linear.scales.shape[1] == k // 256
+    assert linear.codes[0].numel() * 8 == linear.codes.shape[2] * k * (4.5 if bits == 4 else 6.5)
+    out = linear(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
+    torch.testing.assert_close(out.double(), ref, atol=3e-3 * (k / 64) ** 0.5, rtol=1e-5)
+    torch.testing.assert_close(linear.rows(torch.arange(n)).double(), w, rtol=1e-7, atol=1e-7)
+    full = x.double() @ w.t() + (b.double() if b is not None else 0)
+    scale = (x.double().abs() @ w.abs().t()).norm()
+    assert ((out.double() - full).norm() / scale).item() < 0.01
+
+
+@pytest.mark.parametrize("bits", SUPER_KINDS, ids=SUPER_IDS)
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_super_block_sums_at_the_code_and_activation_extremes(bits, rows):
+    """Every code and sub-block scale at the top (or bottom) of its range against every x at
+    +-127 after quantization: the largest sums, exact."""
+    from ember.compiler.quant import GroupLinear, SuperRows
+
+    n, k = 40, 512
+    for code, sc, sign in ((15 if bits == 4 else 63, 63 if bits == 4 else 127, 1.0),
+                           (0, 63 if bits == 4 else -128, -1.0)):  # fmt: skip
+        codes = torch.full((n, k), code, dtype=torch.uint8)
+        d = torch.full((n, k // 256), 0.5).half()
+        if bits == 4:
+            sub = torch.full((n, k // 32), sc, dtype=torch.uint8)
+            chunk = SuperRows(codes, sub, sub.clone(), d, -d)
+            value = 0.5 * sc * code - 0.5 * sc
+        else:
+            chunk = SuperRows(codes, torch.full((n, k // 16), sc, dtype=torch.int8), None, d, None)
+            value = 0.5 * sc * (code - 32)
+        x = torch.full((rows, k), sign)
+        ref = group_quantized_x(x).double() @ torch.full((n, k), value, dtype=torch.float64).t()
+        out = GroupLinear.from_row_chunks(n, bits, [chunk])(x)
+        torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bits", SUPER_KINDS, ids=SUPER_IDS)
+def test_super_block_rows_in_chunks_and_the_contract(bits):
+    """Chunks of rows pack as one pass does; the op tells super-block panels by their
+    shapes (opcheck at 0, 1 and 13 rows); mismatched rows and bad shapes are refused."""
+    from ember.compiler.quant import GroupLinear, SuperRows
+
+    panel = kernels.panel_width()
+    n, k = 5 * panel + 3, 512
+    x, chunk, b, ref, _ = _super_case(3, n, k, bits)
+    whole = GroupLinear.from_row_chunks(n, bits, [chunk], b)
+    step = 2 * panel
+    parts = [
+        SuperRows(*(None if t is None else t[r : r + step] for t in chunk))
+        for r in range(0, n, step)
+    ]
+    chunked = GroupLinear.from_row_chunks(n, bits, parts, b)
+    for name, buf in whole.named_buffers():
+        assert torch.equal(getattr(chunked, name), buf), name
+    assert "super-block" in repr(whole)
+    for rows in (0, 1, 13):
+        args = (torch.randn(rows, k), whole.codes, whole.scales, whole.mins, b, n, bits)
+        torch.library.opcheck(torch.ops.ember_cpu.group_linear.default, args)
+    with pytest.raises(ValueError, match="super-block panels take"):
+        whole._pack(0, (chunk.codes, chunk.d, None))
+    with pytest.raises(ValueError, match="do not fit"):
+        GroupLinear.from_row_chunks(n, bits, [chunk, SuperRows(chunk.codes[:, :256], *chunk[1:])])
+    with pytest.raises(ValueError, match="multiple of 256"):
+        GroupLinear.from_row_chunks(n, bits, [SuperRows(chunk.codes[:, :160], *chunk[1:])])
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.ember_cpu.group_linear(
+            x[:, :256], whole.codes, whole.scales, whole.mins, b, n, bits
+        )
+
+
 class _Block(torch.nn.Module):
     """An attention block's projections (a ragged v_proj: the last part need not fill a
     panel) and a gated MLP's, as HF calls them."""

@@ -158,6 +158,13 @@ inline vint field_to_bit4(vint v) {
   if constexpr (S == 4) return _mm512_and_si512(v, mask);
   return _mm512_and_si512(_mm512_srli_epi16(v, S - 4), mask);
 }
+// Byte j of each 32-bit lane as an int32: zero-extended (u) or sign-extended (s).
+inline vint lane_byte_u(vint v, int j) {
+  return _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(8 * j)), _mm512_set1_epi32(255));
+}
+inline vint lane_byte_s(vint v, int j) {
+  return _mm512_sra_epi32(_mm512_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * j)), _mm_cvtsi32_si128(24));
+}
 #if defined(__AVX512VNNI__)
 #define EMBER_VNNI 1
 // acc += unsigned bytes a . signed bytes b, 4 per 32-bit lane.
@@ -203,6 +210,12 @@ inline vint field_to_bit4(vint v) {
   if constexpr (S < 4) return _mm256_and_si256(_mm256_slli_epi16(v, 4 - S), mask);
   if constexpr (S == 4) return _mm256_and_si256(v, mask);
   return _mm256_and_si256(_mm256_srli_epi16(v, S - 4), mask);
+}
+inline vint lane_byte_u(vint v, int j) {
+  return _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(8 * j)), _mm256_set1_epi32(255));
+}
+inline vint lane_byte_s(vint v, int j) {
+  return _mm256_sra_epi32(_mm256_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * j)), _mm_cvtsi32_si128(24));
 }
 #if defined(__AVXVNNI__)
 #define EMBER_VNNI 1
@@ -339,6 +352,103 @@ inline void group_dots8(const uint8_t* q, const int8_t* xg, int64_t K, vint* s0,
 }
 #endif
 
+// ---- Super-blocks: GGUF's Q4_K and Q6_K kept as the file holds them ----
+//
+// A weight whose K is a multiple of 256 may be laid out in super-blocks of 8 groups (256 k),
+// as GGUF's k-quants are: per super-block and panel, 4 lanes of sub-block scales per
+// channel, then the 8 groups' codes as above (4-bit nibbles, or 6-bit nibbles and high
+// pairs): one stream, read in order (the scales after the codes, 6 KB on, cost a miss per
+// super-block at M = 1: 160m's projections 2.36 ms against 2.23 with fp16 scales per group);
+// one fp16 scale d per super-block and channel in `scales` [P, K / 256, kPanel] (4-bit: and
+// one fp16 offset scale dm = -dmin in `mins`, shaped as scales).
+// - 4-bit (Q4_K, w = d sc q + dm m): lanes 0-1 hold the 8 groups' 6-bit scales sc (group
+//   4l + j in byte j of lane l), lanes 2-3 their offsets m. 36 lanes a super-block: 4.5 bits
+//   a weight plus 32 bits of d and dm per 256, against 5 as a Q4_1 group (fp16 d sc and
+//   dm m per 32).
+// - 6-bit (Q6_K, w = d sc (q - 32)): lanes 0-3 hold the 16 int8 scales of 16 k (sub-block
+//   s = 2g + h of group g's half h in byte s % 4 of lane s / 4). 52 lanes: 6.5 bits plus 16
+//   per 256, against 7 with an fp16 scale per 16.
+// Each group's scale is d times its sub-block's, in fp32 (one convert and multiply a vector
+// of channels per group, where the per-group fp16 layouts convert one fp16 vector).
+constexpr int64_t kSuperGroups = 8;
+template <int Bits>
+constexpr int64_t super_lanes() {
+  return Bits == 6 ? 52 : 36;
+}
+// Group g's codes from the start of its panel.
+template <int Bits, bool Super>
+constexpr int64_t group_offset(int64_t g) {
+  constexpr int64_t kBytes = kGroup * kPanel * Bits / 8;
+  if constexpr (Super)
+    return (g / kSuperGroups) * super_lanes<Bits>() * 4 * kPanel + 4 * 4 * kPanel +
+           (g % kSuperGroups) * kBytes;
+  return g * kBytes;
+}
+// The sub-block scale lanes of the super-block holding group g.
+template <int Bits>
+inline const uint8_t* sub_scale_lanes(const uint8_t* pan, int64_t g) {
+  return pan + (g / kSuperGroups) * super_lanes<Bits>() * 4 * kPanel;
+}
+
+
+// The fp32 scales of a super-block's sub-blocks for a panel: out[s][c] = d sc_s (Q4_K: s < 8,
+// then the offsets' dm m_s at 8 + s; Q6_K: the 16 int8 sc), by each row block as it reaches
+// a super-block. llama-160m's projections, AMD EPYC (AVX-512), per pass against fp16 scales
+// per group: each group converting its own (a variable byte shift per vector and group) ran
+// 1.5x slower at M = 1; a pass over a panel slice's scales before its row blocks (shared by
+// them), 1.45x slower at M = 1 (it breaks the one stream); the first row block filling them
+// for the others, Q6_K 1.12x slower at M = 1. Converted by each row block, Q6_K at M = 32 is
+// 1.09x slower (8 row blocks convert them), and M = 1 to 4 are faster (see group_gemm).
+#ifdef EMBER_SIMD
+template <int Bits, bool Min>
+__attribute__((always_inline)) inline void super_scales(const uint8_t* pan, const uint16_t* dp, const uint16_t* mp, int64_t g,
+                         float (*out)[kPanel]) {
+  constexpr int64_t kVec = kLanes * 4;
+  const uint8_t* lanes = sub_scale_lanes<Bits>(pan, g);
+  const int64_t sb = (g / kSuperGroups) * kPanel;
+#pragma GCC unroll 2
+  for (int v = 0; v < 2; ++v) {
+    const vfloat d = vhalf(dp + sb + v * kLanes);
+    const vfloat dm = Min ? vhalf(mp + sb + v * kLanes) : vzero();
+#pragma GCC unroll 4
+    for (int l = 0; l < 4; ++l) {
+      const vint b = iload(lanes + (2 * l + v) * kVec);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const int s = 4 * l + j;
+        const vint code = Bits == 6 ? lane_byte_s(b, j) : lane_byte_u(b, j);
+        vstore(out[s] + v * kLanes, vmul(Bits == 4 && s >= 8 ? dm : d, icvt(code)));
+      }
+    }
+  }
+}
+#endif
+
+// Channel j's scale of segment s (6-bit: the half of 16 k) of group g (the scalar path), and
+// (4-bit with offsets) its offset scale.
+template <int Bits, bool Super>
+inline float group_scale(const uint8_t* pan, const uint16_t* dp, int64_t g, int64_t s,
+                         int64_t j) {
+  const auto half = [](uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); };
+  if constexpr (Super) {
+    const int64_t sub = Bits == 6 ? 2 * (g % kSuperGroups) + s : g % kSuperGroups;
+    const uint8_t b = sub_scale_lanes<Bits>(pan, g)[((sub / 4) * kPanel + j) * 4 + sub % 4];
+    const float sc = Bits == 6 ? static_cast<float>(static_cast<int8_t>(b)) : static_cast<float>(b);
+    return half(dp[(g / kSuperGroups) * kPanel + j]) * sc;
+  }
+  return half(dp[(g * (Bits == 6 ? 2 : 1) + s) * kPanel + j]);
+}
+template <int Bits, bool Super>
+inline float group_min(const uint8_t* pan, const uint16_t* mp, int64_t g, int64_t j) {
+  const auto half = [](uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); };
+  if constexpr (Super) {
+    const int64_t sub = kSuperGroups + g % kSuperGroups;
+    const uint8_t b = sub_scale_lanes<Bits>(pan, g)[((sub / 4) * kPanel + j) * 4 + sub % 4];
+    return half(mp[(g / kSuperGroups) * kPanel + j]) * static_cast<float>(b);
+  }
+  return half(mp[g * kPanel + j]);
+}
+
 // The code of channel j at k in a panel (the scalar path): q for 8-bit codes, the stored
 // q in [0, 15] or [0, 63] for 4- and 6-bit ones (6-bit: its group's nibble as a 4-bit code's,
 // then the high pair of its half; see group_rows).
@@ -369,16 +479,19 @@ inline int group_code(const uint8_t* pan, int64_t k, int64_t j) {
 // the 4-bit codes' nibbles (16 bytes a channel), then their high pairs: the 16 k of each half
 // in one 32-bit lane, k = 16h + 4c + t in bits 2c of byte t. Both halves' scales are
 // consecutive rows of `dp`; each half's sum is corrected by 32 times its x sum.
-template <int MR, int Bits, bool Min>
+template <int MR, int Bits, bool Min, bool Super>
 inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, const int32_t* xh,
                        int64_t K, const uint8_t* pan, const uint16_t* dp, const uint16_t* mp,
                        int64_t g0, int64_t g1, float* y, int64_t N, int64_t cols, bool first,
-                       const float* bi) {
+                       const float* bi, float* __restrict sup, bool fill) {
   const int64_t G = K / kGroup;
   constexpr int64_t kBytes = kGroup * kPanel * Bits / 8;  // codes per group of a panel
 #ifdef EMBER_SIMD
   constexpr int64_t kVec = kLanes * 4;  // bytes per code vector (kLanes channels)
   vfloat a0[MR], a1[MR];
+  // super-blocks: the sub-block scales (super_scales) of the super-block being read, in
+  // `local` for a single row, else in the slice's `sup`, filled by its first row block
+  alignas(64) float local[Super && MR == 1 ? 16 : 1][kPanel];
   const int64_t c0 = std::min<int64_t>(cols, kLanes), c1 = cols - c0;
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
@@ -386,9 +499,18 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
     a1[r] = first ? vzero() : vload_n(y + r * N + kLanes, c1);
   }
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* q = pan + g * kBytes;
+    const uint8_t* q = pan + group_offset<Bits, Super>(g);
     prefetch_group<kBytes>(q);
     const int8_t* xg = xq + g * kGroup;
+    // super-blocks: the sub-block scales of group g's (super_scales)
+    float(*super)[kPanel] = local;
+    if constexpr (Super) {
+      if constexpr (MR > 1) {
+        super = reinterpret_cast<float(*)[kPanel]>(sup) + 16 * (g / kSuperGroups - g0 / kSuperGroups);
+      }
+      if ((MR == 1 || fill) && (g == g0 || g % kSuperGroups == 0))
+        super_scales<Bits, Min>(pan, dp, mp, g, super);
+    }
     if constexpr (Bits == 5) {
       // The 4-bit codes' nibbles, each or'ed with its high bit: k = 8i + t (low nibble of
       // byte t of lane i) takes bit 2i of byte t of the high lane, k = 8i + 4 + t bit 2i + 1.
@@ -447,8 +569,16 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
           s0[0] = iadd(s0[0], e0);
           s1[0] = iadd(s1[0], e1);
         }
-        const uint16_t* dh = dp + (2 * g + h) * kPanel;
-        const vfloat d0 = vhalf(dh), d1 = vhalf(dh + kLanes);
+        vfloat d0, d1;
+        if constexpr (Super) {
+          const float* ds = super[2 * (g % kSuperGroups) + h];
+          d0 = vload(ds);
+          d1 = vload(ds + kLanes);
+        } else {
+          const uint16_t* dh = dp + (2 * g + h) * kPanel;
+          d0 = vhalf(dh);
+          d1 = vhalf(dh + kLanes);
+        }
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
           const int32_t first_half = xh[r * G + g];
@@ -484,11 +614,22 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
         s1[r] = sums4(s1[r]);
       }
     }
-    const vfloat d0 = vhalf(dp + g * kPanel), d1 = vhalf(dp + g * kPanel + kLanes);
-    vfloat m0 = vzero(), m1 = vzero();
-    if constexpr (Min) {
-      m0 = vhalf(mp + g * kPanel);
-      m1 = vhalf(mp + g * kPanel + kLanes);
+    vfloat d0, d1, m0 = vzero(), m1 = vzero();
+    if constexpr (Super) {
+      const int64_t sub = g % kSuperGroups;
+      d0 = vload(super[sub]);
+      d1 = vload(super[sub] + kLanes);
+      if constexpr (Min) {
+        m0 = vload(super[kSuperGroups + sub]);
+        m1 = vload(super[kSuperGroups + sub] + kLanes);
+      }
+    } else {
+      d0 = vhalf(dp + g * kPanel);
+      d1 = vhalf(dp + g * kPanel + kLanes);
+      if constexpr (Min) {
+        m0 = vhalf(mp + g * kPanel);
+        m1 = vhalf(mp + g * kPanel + kLanes);
+      }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
@@ -527,13 +668,14 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
     for (int64_t j = 0; j < cols; ++j) {
       float acc = first ? 0.f : y[r * N + j];
       for (int64_t g = g0; g < g1; ++g) {
-        const float m = Min ? static_cast<float>(c10::Half(mp[g * kPanel + j], c10::Half::from_bits())) : 0.f;
+        const float m = Min ? group_min<Bits, Super>(pan, mp, g, j) : 0.f;
+        const uint8_t* q = pan + group_offset<Bits, Super>(g);
         for (int64_t s = 0; s < kSegments; ++s) {
-          const float d = static_cast<float>(
-              c10::Half(dp[(g * kSegments + s) * kPanel + j], c10::Half::from_bits()));
+          const float d = group_scale<Bits, Super>(pan, dp, g, s, j);
           int32_t dot = 0;
-          for (int64_t k = g * kGroup + s * kSpan; k < g * kGroup + (s + 1) * kSpan; ++k) {
-            dot += static_cast<int32_t>(xq[r * K + k]) * (group_code<Bits>(pan, k, j) - kOffset);
+          for (int64_t k = s * kSpan; k < (s + 1) * kSpan; ++k) {
+            dot += static_cast<int32_t>(xq[r * K + g * kGroup + k]) *
+                   (group_code<Bits>(q, k, j) - kOffset);
           }
           const int32_t xsum = xs[r * G + g];  // the offsets (mins: one segment) apply to it
           acc += dx[r * G + g] * (d * static_cast<float>(dot) + m * static_cast<float>(xsum));
@@ -547,23 +689,25 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
 
 using GroupKernel = void (*)(const int8_t*, const float*, const int32_t*, const int32_t*, int64_t,
                              const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t,
-                             float*, int64_t, int64_t, bool, const float*);
+                             float*, int64_t, int64_t, bool, const float*, float*, bool);
 
-template <int Bits, bool Min, size_t... R>
+template <int Bits, bool Min, bool Super, size_t... R>
 constexpr std::array<GroupKernel, sizeof...(R)> group_kernels(std::index_sequence<R...>) {
-  return {&group_rows<static_cast<int>(R) + 1, Bits, Min>...};
+  return {&group_rows<static_cast<int>(R) + 1, Bits, Min, Super>...};
 }
 
 // y [M, N] = x [M, K] @ w^T + bias, w group-quantized and packed (see above).
-template <int Bits, bool Min>
+template <int Bits, bool Min, bool Super = false>
 void group_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const uint16_t* m,
                 const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   static constexpr int kRows = Bits == 6 || Bits == 5 ? kGroup6RowBlock : kGroupRowBlock;
   static constexpr auto kernels =
-      group_kernels<Bits, Min>(std::make_index_sequence<static_cast<size_t>(kRows)>());
+      group_kernels<Bits, Min, Super>(std::make_index_sequence<static_cast<size_t>(kRows)>());
   const int64_t G = K / kGroup;
-  const int64_t panel_bytes = K * kPanel * Bits / 8;
-  const int64_t scale_rows = Bits == 6 ? 2 * G : G;  // 6-bit: a scale per 16 k
+  const int64_t panel_bytes =
+      Super ? G / kSuperGroups * super_lanes<Bits>() * 4 * kPanel : K * kPanel * Bits / 8;
+  // 6-bit: a scale per 16 k; super-blocks: one per 256
+  const int64_t scale_rows = Super ? G / kSuperGroups : Bits == 6 ? 2 * G : G;
   const QuantizedRows xq = quantize_rows(x, M, K);
   for_panel_tasks(
       M, N, K,
@@ -572,14 +716,18 @@ void group_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const u
         for (int64_t j = 0; j < kPanel; ++j) bi[j] = bias && j < cols ? bias[n + j] : 0.f;
         const uint8_t* pan = codes + p * panel_bytes;
         const uint16_t* dp = d + p * scale_rows * kPanel;
-        const uint16_t* mp = m ? m + p * G * kPanel : nullptr;
+        const uint16_t* mp = m ? m + p * scale_rows * kPanel : nullptr;
+        // super-blocks: a slice's sub-block scales, filled by its first row block for the rest
+        alignas(64) float sup[Super ? kPanelDepth / 256 * 16 : 1][kPanel];
         for (int64_t ga = 0; ga < G; ga += kPanelDepth / kGroup) {
           const int64_t gb = std::min(G, ga + kPanelDepth / kGroup);
+          bool fill = true;
           blocks.each([&](int64_t m0, int64_t rows) {
             kernels[rows - 1](xq.q.data() + m0 * K, xq.scale.data() + m0 * G,
                               xq.sum.data() + m0 * G, xq.half.data() + m0 * G, K, pan, dp, mp,
                               ga, gb, y + m0 * N + n, N, cols, ga == 0,
-                              gb == G && bias ? bi : nullptr);
+                              gb == G && bias ? bi : nullptr, &sup[0][0], fill);
+            fill = false;
           });
         }
       },
@@ -722,10 +870,12 @@ at::Tensor int8_dot_linear(const at::Tensor& x_in, const at::Tensor& codes,
 }
 
 // y [..., N] = x [..., K] @ w^T (+ bias) for a group-quantized weight (see above): `codes`
-// [P, K / 4, kPanel, 4] (bits 8), [P, K / 8, kPanel, 4] (bits 4) or [P, 6 K / 32, kPanel, 4]
-// (bits 6) uint8, `scales` [P, K / 32, kPanel] fp16 (bits 6: [P, K / 16, kPanel]), `mins`
-// (bits 4, asymmetric; else None) as the scales. x quantized to int8 per group of 32, int32
-// sums, fp32 scaling; y in x's dtype.
+// [P, K / 4, kPanel, 4] (bits 8), [P, K / 8, kPanel, 4] (bits 4), [P, 5 K / 32, kPanel, 4]
+// (bits 5) or [P, 6 K / 32, kPanel, 4] (bits 6) uint8, `scales` [P, K / 32, kPanel] fp16
+// (bits 6: [P, K / 16, kPanel]), `mins` (bits 4, asymmetric; else None) as the scales; or in
+// super-blocks (bits 4 with offsets, or 6): codes [P, 36 K / 256 (bits 6: 52 K / 256),
+// kPanel, 4], scales and mins [P, K / 256, kPanel], told apart by those shapes. x quantized to
+// int8 per group of 32, int32 sums, fp32 scaling; y in x's dtype.
 at::Tensor group_linear(const at::Tensor& x_in, const at::Tensor& codes,
                         const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                         const std::optional<at::Tensor>& bias, int64_t N, int64_t bits) {
@@ -734,15 +884,21 @@ at::Tensor group_linear(const at::Tensor& x_in, const at::Tensor& codes,
   // 32-bit lanes per group of 32 k: 8 (8-bit), 4 (4-bit), 4 + 1 (5-bit: nibbles, high bits),
   // 4 + 2 (6-bit: nibbles, high pairs)
   const int64_t lanes = bits == 8 ? 8 : bits == 6 ? 6 : bits == 5 ? 5 : 4;
-  TORCH_CHECK(codes.dim() == 4 && codes.size(1) % lanes == 0 && codes.size(2) == kPanel &&
-                  codes.size(3) == 4 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
-              "group_linear: codes must be a contiguous uint8 [P, ", lanes, " K / 32, ", kPanel,
-              ", 4] tensor (packed for this CPU ISA)");
-  check_out_features(codes, N);
-  const int64_t G = codes.size(1) / lanes, K = G * kGroup;
   const bool has_min = mins.has_value() && mins->defined();
   TORCH_CHECK(!has_min || bits == 4, "group_linear: offsets are for 4-bit codes only");
-  const int64_t scale_rows = bits == 6 ? 2 * G : G;
+  // super-blocks: 36 (4-bit) or 52 (6-bit) lanes per 256 k, one scale row per 256 k
+  const int64_t super_lanes_ = bits == 6 ? super_lanes<6>() : super_lanes<4>();
+  const bool super = ((bits == 4 && has_min) || bits == 6) && codes.dim() == 4 &&
+                     scales.dim() == 3 && scales.size(1) * super_lanes_ == codes.size(1);
+  const int64_t unit = super ? super_lanes_ : lanes;
+  TORCH_CHECK(codes.dim() == 4 && codes.size(1) % unit == 0 && codes.size(2) == kPanel &&
+                  codes.size(3) == 4 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
+              "group_linear: codes must be a contiguous uint8 [P, ", unit, " K / ",
+              super ? 256 : 32, ", ", kPanel, ", 4] tensor (packed for this CPU ISA)");
+  check_out_features(codes, N);
+  const int64_t G = super ? codes.size(1) / unit * kSuperGroups : codes.size(1) / lanes;
+  const int64_t K = G * kGroup;
+  const int64_t scale_rows = super ? G / kSuperGroups : bits == 6 ? 2 * G : G;
   for (const at::Tensor* t : {&scales, has_min ? &*mins : &scales}) {
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
                     t->size(0) == codes.size(0) && t->size(1) == scale_rows &&
@@ -760,7 +916,11 @@ at::Tensor group_linear(const at::Tensor& x_in, const at::Tensor& codes,
     const auto* mp = has_min ? reinterpret_cast<const uint16_t*>(mins->data_ptr()) : nullptr;
     const float* xp = x.data_ptr<float>();
     float* yp = y.data_ptr<float>();
-    if (bits == 8) {
+    if (super && bits == 6) {
+      group_gemm<6, false, true>(xp, cp, dp, nullptr, bp, yp, M, N, K);
+    } else if (super) {
+      group_gemm<4, true, true>(xp, cp, dp, mp, bp, yp, M, N, K);
+    } else if (bits == 8) {
       group_gemm<8, false>(xp, cp, dp, nullptr, bp, yp, M, N, K);
     } else if (bits == 6) {
       group_gemm<6, false>(xp, cp, dp, nullptr, bp, yp, M, N, K);

@@ -61,40 +61,26 @@ void store_codes(const uint8_t* q, int64_t K, int64_t bits, uint8_t* out) {
 }
 
 // GGUF block types `group_pack_blocks` reads: name, values per block, bytes per block, code
-// bits of the panels they fill, whether those carry offsets, and the decoder in store_blocks
-// (kPlain: an fp16 scale, an fp16 offset where `offsets`, then the codes: Q8_0, Q4_0, Q4_1).
+// bits of the panels they fill, whether those carry offsets, whether they are laid out in
+// super-blocks of 256 (see linear_group.h), and the decoder in store_blocks (kPlain: an fp16
+// scale, an fp16 offset where `offsets`, then the codes: Q8_0, Q4_0, Q4_1).
 // The table of which types are packed how is mirrored by ember.compiler.quant.BLOCK_TYPES;
 // each call checks its panels against this one.
 enum class BlockDecoder { kPlain, kQ4K, kQ6K, kQ5_0 };
 struct BlockType {
   const char* name;
   int64_t values, bytes, bits;
-  bool offsets;
+  bool offsets, super_blocks;
   BlockDecoder decoder;
 };
 constexpr BlockType kBlockTypes[] = {
-    {"Q8_0", 32, 34, 8, false, BlockDecoder::kPlain},
-    {"Q4_0", 32, 18, 4, false, BlockDecoder::kPlain},
-    {"Q4_1", 32, 20, 4, true, BlockDecoder::kPlain},
-    {"Q4_K", 256, 144, 4, true, BlockDecoder::kQ4K},
-    {"Q6_K", 256, 210, 6, false, BlockDecoder::kQ6K},
-    {"Q5_0", 32, 22, 5, false, BlockDecoder::kQ5_0},
+    {"Q8_0", 32, 34, 8, false, false, BlockDecoder::kPlain},
+    {"Q4_0", 32, 18, 4, false, false, BlockDecoder::kPlain},
+    {"Q4_1", 32, 20, 4, true, false, BlockDecoder::kPlain},
+    {"Q4_K", 256, 144, 4, true, true, BlockDecoder::kQ4K},
+    {"Q6_K", 256, 210, 6, false, true, BlockDecoder::kQ6K},
+    {"Q5_0", 32, 22, 5, false, false, BlockDecoder::kQ5_0},
 };
-
-inline uint16_t half_bits(float x) { return c10::Half(x).x; }  // round to nearest even
-
-// 16 floats as fp16 bits, rounded to nearest even as half_bits: F16C where the build has it
-// (every x86-64-v3 or native build here), else c10::Half's software conversion.
-inline void half_bits16(const float* f, uint16_t* h) {
-#ifdef __F16C__
-  for (int i = 0; i < 16; i += 8) {
-    const __m128i v = _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i), v);
-  }
-#else
-  for (int i = 0; i < 16; ++i) h[i] = half_bits(f[i]);
-#endif
-}
 
 // One group's 16 stored nibble bytes (byte 4i + j = q[8i + j] | q[8i + 4 + j] << 4, as
 // store_nibbles) from 32 bytes holding its codes q_t in bits shift .. shift + 3 of byte t
@@ -111,9 +97,9 @@ inline void nibble_group(const uint8_t* src, int shift, uint8_t* out) {
 // Q8_0 (fp16 d, 32 int8 q), Q4_0 (fp16 d, 16 bytes: q_t in the low nibble of byte t, q_16+t
 // in its high one), Q4_1 (fp16 d and m, then as Q4_0) exactly; Q4_K (fp16 d and dmin, 12
 // bytes of 6-bit sc and m per 32 values, 128 bytes of nibbles: sub-blocks 2i and 2i + 1 in
-// the low and high nibbles of bytes 32i..32i + 31) as d sc and -dmin m rounded to fp16; Q6_K
-// (128 bytes of low nibbles, 64 of high pairs, 16 int8 sc, fp16 d) as codes q in [0, 63]
-// with scales d sc per 16 values rounded to fp16 (ggml's dequantizers' order); Q5_0 (fp16 d,
+// the low and high nibbles of bytes 32i..32i + 31) and Q6_K (128 bytes of low nibbles, 64 of
+// high pairs, 16 int8 sc, fp16 d) exactly, in super-blocks (d[s * P], m[s * P] per
+// super-block s; Q6_K's codes q in [0, 63] in ggml's dequantizers' order); Q5_0 (fp16 d,
 // 32 high bits, 16 bytes of low nibbles as Q4_0's) exactly, as 5-bit codes q in [0, 31]
 // (value d (q - 16)): Q4_0's nibbles and 4 bytes of high bits (store_high_bits).
 void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8_t* out,
@@ -121,24 +107,19 @@ void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8
   for (int64_t blk = 0; blk < K / type.values; ++blk) {
     const uint8_t* b = blocks + blk * type.bytes;
     if (type.decoder == BlockDecoder::kQ4K) {
-      const float dd = c10::detail::fp16_ieee_to_fp32_value(b[0] | b[1] << 8);
-      const float dmin = c10::detail::fp16_ieee_to_fp32_value(b[2] | b[3] << 8);
+      // Super-block blk: d, dm = -dmin (the sign bit flipped: exact), then per channel the 8
+      // scales sc and the 8 offsets m as bytes (ggml's get_scale_min_k4), then the 8 groups'
+      // 16 nibble bytes: 144 bytes.
+      d[blk * P] = static_cast<uint16_t>(b[0] | b[1] << 8);
+      m[blk * P] = static_cast<uint16_t>((b[2] | b[3] << 8) ^ 0x8000);
       const uint8_t* sm = b + 4;
-      float f[16];  // the 8 scales, then the 8 offsets
-      for (int j = 0; j < 8; ++j) {  // ggml's get_scale_min_k4
-        const int sc = j < 4 ? sm[j] & 63 : (sm[j + 4] & 15) | (sm[j - 4] >> 6) << 4;
-        const int mn = j < 4 ? sm[j + 4] & 63 : (sm[j + 4] >> 4) | (sm[j] >> 6) << 4;
-        f[j] = dd * float(sc);
-        f[8 + j] = -dmin * float(mn);
-      }
-      uint16_t h[16];
-      half_bits16(f, h);
+      uint8_t* o = out + blk * 144;
       for (int j = 0; j < 8; ++j) {
-        d[(8 * blk + j) * P] = h[j];
-        m[(8 * blk + j) * P] = h[8 + j];
+        o[j] = j < 4 ? sm[j] & 63 : (sm[j + 4] & 15) | (sm[j - 4] >> 6) << 4;
+        o[8 + j] = j < 4 ? sm[j + 4] & 63 : (sm[j + 4] >> 4) | (sm[j] >> 6) << 4;
       }
       for (int g = 0; g < 8; ++g)  // sub-block g: the low (even g) or high nibbles
-        nibble_group(b + 16 + 32 * (g / 2), 4 * (g % 2), out + blk * 128 + 16 * g);
+        nibble_group(b + 16 + 32 * (g / 2), 4 * (g % 2), o + 16 + 16 * g);
       continue;
     }
     if (type.decoder == BlockDecoder::kQ6K) {
@@ -146,17 +127,14 @@ void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8
       // of ql[64 h + 32 (s % 2) + t], its high pair in bits 2 s of qh[32 h + t]. That is
       // group 4 h + s: nibbles as nibble_group's; pair bytes 4 c + j of each 16 k, four a
       // stored byte (k = 16 u + 4 c + j in bits 2c of byte 4 u + j), from 32-bit words.
+      // Super-block blk: d, then per channel the 16 int8 scales and the 8 groups' 24 bytes
+      // (208 bytes).
       const uint8_t *ql = b, *qh = b + 128;
-      const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
-      const float dd = c10::detail::fp16_ieee_to_fp32_value(b[208] | b[209] << 8);
-      float f[16];
-      for (int j = 0; j < 16; ++j) f[j] = dd * float(sc[j]);
-      uint16_t h16[16];
-      half_bits16(f, h16);
-      for (int j = 0; j < 16; ++j) d[(16 * blk + j) * P] = h16[j];
+      d[blk * P] = static_cast<uint16_t>(b[208] | b[209] << 8);
+      std::memcpy(out + blk * 208, b + 192, 16);
       for (int g = 0; g < 8; ++g) {
         const int h = g / 4, s = g % 4;
-        uint8_t* o = out + blk * 192 + 24 * g;
+        uint8_t* o = out + blk * 208 + 16 + 24 * g;
         nibble_group(ql + 64 * h + 32 * (s % 2), 4 * (s / 2), o);
         uint32_t w[8], pairs[2] = {0, 0};
         std::memcpy(w, qh + 32 * h, 32);
@@ -276,9 +254,11 @@ void group_pack_blocks(at::Tensor codes, at::Tensor scales, c10::optional<at::Te
   TORCH_CHECK(mins.has_value() == type->offsets, op, ": ", type->name, " panels ",
               type->offsets ? "need" : "have no", " offsets");
   const int64_t Q = codes.size(1), P = codes.size(2), G = scales.size(1);
-  const int64_t K = G * (type->bits == 6 ? 16 : 32);
+  const int64_t K = G * (type->super_blocks ? 256 : type->bits == 6 ? 16 : 32);
+  const int64_t lane_bytes = type->super_blocks ? K / 256 * (type->bits == 6 ? 208 : 144)
+                                                : K * type->bits / 8;
   TORCH_CHECK(K % type->values == 0 && blocks_in.size(1) == K / type->values * type->bytes &&
-                  Q * 4 == K * type->bits / 8,
+                  Q * 4 == lane_bytes,
               op, ": rows of ", blocks_in.size(1), " bytes are not ", K / type->values, " ",
               type->name, " blocks of ", type->bytes, " bytes");
   const at::Tensor blocks = blocks_in.contiguous();
