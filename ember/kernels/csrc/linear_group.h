@@ -357,10 +357,9 @@ inline void group_dots8(const uint8_t* q, const int8_t* xg, int64_t K, vint* s0,
 // A weight whose K is a multiple of 256 may be laid out in super-blocks of 8 groups (256 k),
 // as GGUF's k-quants are: per super-block and panel, 4 lanes of sub-block scales per
 // channel, then the 8 groups' codes as above (4-bit nibbles, or 6-bit nibbles and high
-// pairs): one stream, read in order (the scales after the codes, 6 KB on, cost a miss per
-// super-block at M = 1: 160m's projections 2.36 ms against 2.23 with fp16 scales per group);
-// one fp16 scale d per super-block and channel in `scales` [P, K / 256, kPanel] (4-bit: and
-// one fp16 offset scale dm = -dmin in `mins`, shaped as scales).
+// pairs), one stream read in order; one fp16 scale d per super-block and channel in `scales`
+// [P, K / 256, kPanel] (4-bit: and one fp16 offset scale dm = -dmin in `mins`, shaped as
+// scales).
 // - 4-bit (Q4_K, w = d sc q + dm m): lanes 0-1 hold the 8 groups' 6-bit scales sc (group
 //   4l + j in byte j of lane l), lanes 2-3 their offsets m. 36 lanes a super-block: 4.5 bits
 //   a weight plus 32 bits of d and dm per 256, against 5 as a Q4_1 group (fp16 d sc and
@@ -368,8 +367,8 @@ inline void group_dots8(const uint8_t* q, const int8_t* xg, int64_t K, vint* s0,
 // - 6-bit (Q6_K, w = d sc (q - 32)): lanes 0-3 hold the 16 int8 scales of 16 k (sub-block
 //   s = 2g + h of group g's half h in byte s % 4 of lane s / 4). 52 lanes: 6.5 bits plus 16
 //   per 256, against 7 with an fp16 scale per 16.
-// Each group's scale is d times its sub-block's, in fp32 (one convert and multiply a vector
-// of channels per group, where the per-group fp16 layouts convert one fp16 vector).
+// Each group's scale is d times its sub-block's, in fp32, converted once per super-block
+// (super_scales).
 constexpr int64_t kSuperGroups = 8;
 template <int Bits>
 constexpr int64_t super_lanes() {
@@ -392,13 +391,14 @@ inline const uint8_t* sub_scale_lanes(const uint8_t* pan, int64_t g) {
 
 
 // The fp32 scales of a super-block's sub-blocks for a panel: out[s][c] = d sc_s (Q4_K: s < 8,
-// then the offsets' dm m_s at 8 + s; Q6_K: the 16 int8 sc), by each row block as it reaches
-// a super-block. llama-160m's projections, AMD EPYC (AVX-512), per pass against fp16 scales
-// per group: each group converting its own (a variable byte shift per vector and group) ran
-// 1.5x slower at M = 1; a pass over a panel slice's scales before its row blocks (shared by
-// them), 1.45x slower at M = 1 (it breaks the one stream); the first row block filling them
-// for the others, Q6_K 1.12x slower at M = 1. Converted by each row block, Q6_K at M = 32 is
-// 1.09x slower (8 row blocks convert them), and M = 1 to 4 are faster (see group_gemm).
+// then the offsets' dm m_s at 8 + s; Q6_K: the 16 int8 sc), as the kernel reaches each
+// super-block: a single row into its own stack array, more rows into the panel slice's
+// array, filled by the slice's first row block for the others. llama-160m's projections, AMD
+// EPYC (AVX-512), per pass against fp16 scales per group: each group converting its own (a
+// variable byte shift per vector and group) ran 1.5x slower at M = 1; a pass over the
+// slice's scales before its row blocks, 1.45x slower at M = 1 (it breaks the one stream);
+// every row block converting them, Q6_K 1.07x (AVX-512) and 1.2x (forced AVX2) slower at
+// M = 32 and 128, against 1.06x and 1.13x shared.
 #ifdef EMBER_SIMD
 template <int Bits, bool Min>
 __attribute__((always_inline)) inline void super_scales(const uint8_t* pan, const uint16_t* dp, const uint16_t* mp, int64_t g,
