@@ -1,8 +1,8 @@
 """Greedy agreement of ember with HF transformers on the same GGUF files, per quant type.
 
-ember runs each file with its own kernels (Q8_0/Q4_0/Q4_1 as the file's groups, Q4_K as 4-bit
-groups with offsets, Q6_K as 6-bit codes, other types requantized to 8-bit groups, float types
-as they are; activations quantized to int8 per group of 32 for the quantized linears, as
+ember runs each file with its own kernels (Q8_0/Q4_0/Q4_1/Q5_0 as the file's groups, Q4_K and
+Q6_K in super-blocks as the file holds them, other types requantized to 8-bit groups, float
+types as they are; activations quantized to int8 per group of 32 for the quantized linears, as
 llama.cpp does). HF transformers loads the same file with `from_pretrained(gguf_file=...)`,
 which dequantizes every tensor to fp32. Under teacher forcing on ember's greedy tokens, each
 token's rank in HF's logits at that step is counted: rank 0 = HF's argmax.

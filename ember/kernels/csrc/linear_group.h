@@ -163,7 +163,8 @@ inline vint lane_byte_u(vint v, int j) {
   return _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(8 * j)), _mm512_set1_epi32(255));
 }
 inline vint lane_byte_s(vint v, int j) {
-  return _mm512_sra_epi32(_mm512_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * j)), _mm_cvtsi32_si128(24));
+  const vint high = _mm512_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * j));
+  return _mm512_sra_epi32(high, _mm_cvtsi32_si128(24));
 }
 #if defined(__AVX512VNNI__)
 #define EMBER_VNNI 1
@@ -215,7 +216,8 @@ inline vint lane_byte_u(vint v, int j) {
   return _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(8 * j)), _mm256_set1_epi32(255));
 }
 inline vint lane_byte_s(vint v, int j) {
-  return _mm256_sra_epi32(_mm256_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * j)), _mm_cvtsi32_si128(24));
+  const vint high = _mm256_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * j));
+  return _mm256_sra_epi32(high, _mm_cvtsi32_si128(24));
 }
 #if defined(__AVXVNNI__)
 #define EMBER_VNNI 1
@@ -389,7 +391,6 @@ inline const uint8_t* sub_scale_lanes(const uint8_t* pan, int64_t g) {
   return pan + (g / kSuperGroups) * super_lanes<Bits>() * 4 * kPanel;
 }
 
-
 // The fp32 scales of a super-block's sub-blocks for a panel: out[s][c] = d sc_s (Q4_K: s < 8,
 // then the offsets' dm m_s at 8 + s; Q6_K: the 16 int8 sc), as the kernel reaches each
 // super-block: a single row into its own stack array, more rows into the panel slice's
@@ -401,8 +402,9 @@ inline const uint8_t* sub_scale_lanes(const uint8_t* pan, int64_t g) {
 // M = 32 and 128, against 1.06x and 1.13x shared.
 #ifdef EMBER_SIMD
 template <int Bits, bool Min>
-__attribute__((always_inline)) inline void super_scales(const uint8_t* pan, const uint16_t* dp, const uint16_t* mp, int64_t g,
-                         float (*out)[kPanel]) {
+__attribute__((always_inline)) inline void super_scales(const uint8_t* pan, const uint16_t* dp,
+                                                        const uint16_t* mp, int64_t g,
+                                                        float (*out)[kPanel]) {
   constexpr int64_t kVec = kLanes * 4;
   const uint8_t* lanes = sub_scale_lanes<Bits>(pan, g);
   const int64_t sb = (g / kSuperGroups) * kPanel;
@@ -424,23 +426,27 @@ __attribute__((always_inline)) inline void super_scales(const uint8_t* pan, cons
 }
 #endif
 
+inline float half_value(uint16_t h) {
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
 // Channel j's scale of segment s (6-bit: the half of 16 k) of group g (the scalar path), and
 // (4-bit with offsets) its offset scale.
 template <int Bits, bool Super>
 inline float group_scale(const uint8_t* pan, const uint16_t* dp, int64_t g, int64_t s,
                          int64_t j) {
-  const auto half = [](uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); };
+  const auto half = half_value;
   if constexpr (Super) {
     const int64_t sub = Bits == 6 ? 2 * (g % kSuperGroups) + s : g % kSuperGroups;
     const uint8_t b = sub_scale_lanes<Bits>(pan, g)[((sub / 4) * kPanel + j) * 4 + sub % 4];
-    const float sc = Bits == 6 ? static_cast<float>(static_cast<int8_t>(b)) : static_cast<float>(b);
+    const float sc = static_cast<float>(Bits == 6 ? static_cast<int8_t>(b) : b);
     return half(dp[(g / kSuperGroups) * kPanel + j]) * sc;
   }
   return half(dp[(g * (Bits == 6 ? 2 : 1) + s) * kPanel + j]);
 }
 template <int Bits, bool Super>
 inline float group_min(const uint8_t* pan, const uint16_t* mp, int64_t g, int64_t j) {
-  const auto half = [](uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); };
+  const auto half = half_value;
   if constexpr (Super) {
     const int64_t sub = kSuperGroups + g % kSuperGroups;
     const uint8_t b = sub_scale_lanes<Bits>(pan, g)[((sub / 4) * kPanel + j) * 4 + sub % 4];
@@ -506,7 +512,8 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
     float(*super)[kPanel] = local;
     if constexpr (Super) {
       if constexpr (MR > 1) {
-        super = reinterpret_cast<float(*)[kPanel]>(sup) + 16 * (g / kSuperGroups - g0 / kSuperGroups);
+        super = reinterpret_cast<float(*)[kPanel]>(sup) +
+                16 * (g / kSuperGroups - g0 / kSuperGroups);
       }
       if ((MR == 1 || fill) && (g == g0 || g % kSuperGroups == 0))
         super_scales<Bits, Min>(pan, dp, mp, g, super);
