@@ -986,7 +986,9 @@ def load_gguf_model(
 def _fusable_groups(kept: dict[str, Any]) -> list[tuple[str, tuple[str, ...], list[Any]]]:
     """(parent module, projection names, their GGUF tensors) for each group of
     `FUSED_PROJECTIONS` (q/k/v, gate/up) that converts into one `GroupLinear`: all kept, of one
-    quantized type and input size, every part but the last filling whole panels."""
+    quantized type and input size, every part but the last filling whole panels; else its
+    longest such prefix of two or more (q/k where llama.cpp's K-quant mixes give v more bits:
+    half of a Q4_K_M file's layers, where q/k/v made three calls a step, each quantizing x)."""
     panel = kernels.panel_width()
     groups = []
     for module_name in kept:
@@ -995,13 +997,16 @@ def _fusable_groups(kept: dict[str, Any]) -> list[tuple[str, tuple[str, ...], li
             if child != names[0]:
                 continue
             tensors = [kept.get(f"{parent}.{n}") for n in names]
-            if any(t is None for t in tensors):
-                continue
-            if len({(t.tensor_type, int(t.shape[0])) for t in tensors}) != 1:
-                continue  # ggml lists the input size (fastest dim) first
-            if any(int(t.shape[1]) % panel for t in tensors[:-1]):
-                continue
-            groups.append((parent, names, tensors))
+            for count in range(len(names), 1, -1):
+                part = tensors[:count]
+                if any(t is None for t in part):
+                    continue
+                if len({(t.tensor_type, int(t.shape[0])) for t in part}) != 1:
+                    continue  # ggml lists the input size (fastest dim) first
+                if any(int(t.shape[1]) % panel for t in part[:-1]):
+                    continue
+                groups.append((parent, names[:count], part))
+                break
     return groups
 
 

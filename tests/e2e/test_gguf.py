@@ -831,6 +831,13 @@ def test_the_gemma3_270m_q4_k_m_file_matches_hf():
     with LLM(
         model=path, compile=False, kv_cache_gib=0.05, max_model_len=128, use_tqdm=False
     ) as llm:
+        # q/k/v fused where all three are Q5_0; where v is Q8_0 (9 of 18 layers), q/k fused
+        attentions = [layer.self_attn for layer in llm.llm_engine.runner.model.model.layers]
+        assert all(isinstance(a.q_proj, FusedSlice) for a in attentions)
+        assert all(a.k_proj.fused is a.q_proj.fused for a in attentions)
+        apart = [a for a in attentions if not isinstance(a.v_proj, FusedSlice)]
+        assert len(apart) == 9 and all(a.v_proj.bits == 8 for a in apart)
+        assert all(a.q_proj.group == 2 and a.q_proj.fused.bits == 5 for a in apart)
         outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
     assert "France" in outs[0].outputs[0].text or "Paris" in outs[0].outputs[0].text, (
         outs[0].outputs[0].text
