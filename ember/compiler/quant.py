@@ -530,8 +530,9 @@ class GroupLinear(nn.Module):
     """`y = x @ w.T + bias` with w in groups of 32 consecutive k of one output channel, each
     with an fp16 scale d (and an fp16 offset m for asymmetric 4-bit codes): w = d q (`bits=8`,
     q in [-127, 127]: GGUF's Q8_0), d (q - 8) (`bits=4` without offsets, q in [0, 15]: Q4_0),
-    d q + m (`bits=4` with offsets: Q4_1, Q4_K, and `quantization="int4"`) or d (q - 32) with a
-    scale per 16 k (`bits=6`, q in [0, 63]: Q6_K) or d (q - 16) (`bits=5`, q in [0, 31]:
+    d q + m (`bits=4` with offsets: Q4_1 and `quantization="int4"`) or d (q - 32) with a
+    scale per 16 k (`bits=6`, q in [0, 63]; Q6_K's values, which GGUF files now load as
+    super-blocks) or d (q - 16) (`bits=5`, q in [0, 31]:
     Q5_0); or, for GGUF's Q4_K and Q6_K, in super-blocks of 256 (`SuperRows`): w = d sc q +
     dm m or d sc (q - 32) with fp16 d (and dm) per 256 and an 8-bit sc (and m) per 32 (16),
     as the file holds them: 4.5 and 6.5 bits a weight plus 32 (16) per 256, where fp16
