@@ -850,9 +850,9 @@ def weights_arena(path: str) -> Iterator[None]:
         if qtype.name in DENSE_TYPES or len(tensor.shape) != 2 or tensor.shape[0] % GROUP_SIZE:
             continue
         bits, _ = _converter(qtype)
-        offsets = qtype.name in ("Q4_1", "Q4_K")
+        _, offsets, super_blocks = BLOCK_TYPES.get(qtype.name, (bits, False, False))
         n, k = int(tensor.shape[1]), int(tensor.shape[0])
-        packed += GroupLinear.packed_nbytes(n, k, bits, offsets, qtype.name in ("Q4_K", "Q6_K"))
+        packed += GroupLinear.packed_nbytes(n, k, bits, offsets, super_blocks)
     # Room for fused groups' and alignment's slack; only `packed` is faulted in ahead.
     with weight_arena(packed + packed // 8 + (4 << 20), packed):
         yield

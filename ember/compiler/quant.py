@@ -662,7 +662,7 @@ class GroupLinear(nn.Module):
     ) -> int:
         """Pack rows [row, row + len(codes)) into the panels; returns the next row."""
         n, k = codes.shape
-        bits, panel = self.bits, self.codes.shape[2]
+        bits = self.bits
         per_scale = 16 if bits == 6 else GROUP_SIZE
         if k != self.in_features or scales.shape != (n, k // per_scale):
             raise ValueError(
@@ -673,11 +673,7 @@ class GroupLinear(nn.Module):
             mins is not None and mins.shape != scales.shape
         ):
             raise ValueError("GroupLinear: offsets (mins) are for 4-bit codes, shaped as scales")
-        if row % panel or row + n > self.out_features:
-            raise ValueError(
-                f"GroupLinear: rows [{row}, {row + n}) do not start a panel of {panel} or pass "
-                f"{self.out_features} rows"
-            )
+        self._check_rows(row, n)
         scales = scales.to(torch.float16)
         mins = None if mins is None else mins.to(torch.float16)
         if kernels.ready():  # one pass in C++; the same bytes as the re-layout below
@@ -690,32 +686,35 @@ class GroupLinear(nn.Module):
         if bits == 8:
             stored = (codes.to(torch.int16) + 128).to(torch.uint8)
         else:
-            octets = (codes.to(torch.uint8) & 15).view(n, k // 8, 2, 4)
-            stored = (octets[:, :, 0] | (octets[:, :, 1] << 4)).view(n, k // 2)
-        if bits == 5:  # each group's 16 nibble bytes, then its 4 bytes of high bits
-            high = (codes.to(torch.uint8) >> 4 & 1).view(n, k // 32, 4, 2, 4)  # [.., i, half, t]
-            shift = (2 * torch.arange(4)[:, None] + torch.arange(2)[None, :])[..., None]
-            bits_t = (high.to(torch.int32) << shift).sum(dim=(2, 3)).to(torch.uint8)  # [.., t]
-            groups = k // GROUP_SIZE
-            stored = torch.cat((stored.view(n, groups, 16), bits_t), dim=2).view(n, groups * 20)
-        if bits == 6:  # each group's 16 nibble bytes, then its 8 bytes of high pairs
-            pairs = (codes.to(torch.uint8) >> 4).view(n, k // 16, 4, 4)
-            high = pairs[:, :, 0] | pairs[:, :, 1] << 2 | pairs[:, :, 2] << 4 | pairs[:, :, 3] << 6
-            groups = k // GROUP_SIZE
-            stored = torch.cat((stored.view(n, groups, 16), high.view(n, groups, 8)), dim=2)
-            stored = stored.view(n, groups * 24)
+            stored = _group_bytes(codes, bits).view(n, -1)
+        return self._write_panels(row, stored, scales, mins)
+
+    def _check_rows(self, row: int, n: int) -> None:
+        panel = self.codes.shape[2]
+        if row % panel or row + n > self.out_features:
+            raise ValueError(
+                f"GroupLinear: rows [{row}, {row + n}) do not start a panel of {panel} or pass "
+                f"{self.out_features} rows"
+            )
+
+    def _write_panels(
+        self, row: int, stored: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+    ) -> int:
+        """Rows [row, row + n) of stored bytes [n, lanes * 4] and their scale (and offset)
+        rows into the panels; returns the next row."""
+        n, panel = stored.shape[0], self.codes.shape[2]
         p0, p1 = row // panel, -(-(row + n) // panel)
         self.codes[p0:p1] = _quad_panels(stored)
-        self.scales[p0:p1] = _panels(scales)
+        self.scales[p0:p1] = _panels(scales.to(torch.float16))
         if mins is not None:
-            self.mins[p0:p1] = _panels(mins)
+            self.mins[p0:p1] = _panels(mins.to(torch.float16))
         return row + n
 
     def _pack_super_rows(self, row: int, rows: SuperRows) -> int:
         """Pack rows [row, row + n) of super-blocks (a PyTorch re-layout: the reference of
         `group_pack_blocks` for Q4_K and Q6_K, which writes the same bytes)."""
         n, k = rows.codes.shape
-        bits, panel = self.bits, self.codes.shape[2]
+        bits = self.bits
         supers, per_sub = k // SUPER_BLOCK, 16 if bits == 6 else GROUP_SIZE
         shapes_ok = (
             self.super_blocks
@@ -731,29 +730,15 @@ class GroupLinear(nn.Module):
                 f"GroupLinear: super-block rows [{n}, {k}] do not fit {bits}-bit super-block "
                 f"panels of K = {self.in_features}"
             )
-        if row % panel or row + n > self.out_features:
-            raise ValueError(
-                f"GroupLinear: rows [{row}, {row + n}) do not start a panel of {panel} or pass "
-                f"{self.out_features} rows"
-            )
-        codes = rows.codes.to(torch.uint8)
-        octets = (codes & 15).view(n, k // 8, 2, 4)
-        stored = (octets[:, :, 0] | (octets[:, :, 1] << 4)).view(n, k // GROUP_SIZE, 16)
-        if bits == 6:  # each group's 16 nibble bytes, then its 8 bytes of high pairs
-            pairs = (codes >> 4).view(n, k // 16, 4, 4)
-            high = pairs[:, :, 0] | pairs[:, :, 1] << 2 | pairs[:, :, 2] << 4 | pairs[:, :, 3] << 6
-            stored = torch.cat((stored, high.view(n, k // GROUP_SIZE, 8)), dim=2)
+        self._check_rows(row, n)
+        if bits == 6:
             subs = rows.sub.to(torch.int8).contiguous().view(torch.uint8).view(n, supers, 16)
         else:
             sc = rows.sub.to(torch.uint8).view(n, supers, 8)
             subs = torch.cat((sc, rows.sub_mins.to(torch.uint8).view(n, supers, 8)), dim=2)
-        stored = torch.cat((subs, stored.reshape(n, supers, -1)), dim=2).view(n, -1)
-        p0, p1 = row // panel, -(-(row + n) // panel)
-        self.codes[p0:p1] = _quad_panels(stored)
-        self.scales[p0:p1] = _panels(rows.d.to(torch.float16))
-        if rows.dm is not None:
-            self.mins[p0:p1] = _panels(rows.dm.to(torch.float16))
-        return row + n
+        groups = _group_bytes(rows.codes, bits).view(n, supers, -1)
+        stored = torch.cat((subs, groups), dim=2).view(n, -1)
+        return self._write_panels(row, stored, rows.d, rows.dm)
 
     def _pack_blocks(self, row: int, blocks: Blocks) -> int:
         """Pack rows [row, row + len(blocks.data)) straight from a GGUF file's blocks."""
@@ -793,11 +778,7 @@ class GroupLinear(nn.Module):
         if self.super_blocks:
             return self._super_rows(stored, ids)
         if self.bits == 6:
-            lanes = stored.unflatten(-2, (-1, 6))  # [..., groups, 6 lanes, 4]
-            nibbles = lanes[..., :4, :]
-            high = lanes[..., 4:, :].unsqueeze(-2) >> torch.tensor([0, 2, 4, 6])[:, None] & 3
-            low = _nibbles(nibbles)
-            codes = (low | high.flatten(-3) << 4).flatten(-2).to(torch.int16) - 32
+            codes = _six_bit_codes(stored.unflatten(-2, (-1, 6))) - 32
             scales = _from_panels(self.scales, ids).float()[..., None]
             return (codes.unflatten(-1, (-1, 16)).float() * scales).flatten(-2)
         if self.bits == 5:  # nibbles, then bit 2i (+1 for k % 8 >= 4) of byte k % 4
@@ -822,15 +803,12 @@ class GroupLinear(nn.Module):
 
     def _super_rows(self, stored: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`rows` of super-block panels: stored [..., lanes, 4] of the rows `ids`."""
-        per_super = {4: 36, 6: 52}[self.bits]
+        per_super = self.codes.shape[1] * SUPER_BLOCK // self.in_features  # lanes
         lanes = stored.unflatten(-2, (-1, per_super))  # [..., supers, lanes, 4]
         subs, lanes = lanes[..., :4, :].flatten(-2), lanes[..., 4:, :]  # 16 bytes, codes
         d = _from_panels(self.scales, ids).float()[..., None]  # [..., supers, 1]
         if self.bits == 6:
-            groups = lanes[..., :48, :].unflatten(-2, (8, 6))  # [..., supers, 8, 6, 4]
-            high = groups[..., 4:, :].unsqueeze(-2) >> torch.tensor([0, 2, 4, 6])[:, None] & 3
-            low = _nibbles(groups[..., :4, :])
-            codes = (low | high.flatten(-3) << 4).flatten(-2).to(torch.int16) - 32
+            codes = _six_bit_codes(lanes.unflatten(-2, (8, 6))) - 32  # [..., supers, 256]
             sc = (subs.to(torch.int16) + 128) % 256 - 128  # the int8 scales
             w = codes.unflatten(-1, (16, 16)).float() * (d * sc.float())[..., None]
             return w.flatten(-3)
@@ -845,6 +823,33 @@ class GroupLinear(nn.Module):
         if self.super_blocks:
             kind = {4: "q4_k", 6: "q6_k"}[self.bits] + " super-block"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind} groups"
+
+
+def _group_bytes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Each group's stored bytes [n, K / 32, 16, 20 or 24] of 4-, 5- or 6-bit codes [n, K]
+    (see `GroupLinear`): the nibbles, then (5-bit) the high bits or (6-bit) the high pairs."""
+    n, k = codes.shape
+    groups = k // GROUP_SIZE
+    codes = codes.to(torch.uint8)
+    octets = (codes & 15).view(n, k // 8, 2, 4)
+    stored = (octets[:, :, 0] | (octets[:, :, 1] << 4)).view(n, groups, 16)
+    if bits == 5:  # each group's 16 nibble bytes, then its 4 bytes of high bits
+        high = (codes >> 4 & 1).view(n, groups, 4, 2, 4)  # [.., i, half, t]
+        shift = (2 * torch.arange(4)[:, None] + torch.arange(2)[None, :])[..., None]
+        bits_t = (high.to(torch.int32) << shift).sum(dim=(2, 3)).to(torch.uint8)  # [.., t]
+        return torch.cat((stored, bits_t), dim=2)
+    if bits == 6:  # each group's 16 nibble bytes, then its 8 bytes of high pairs
+        pairs = (codes >> 4).view(n, k // 16, 4, 4)
+        high = pairs[:, :, 0] | pairs[:, :, 1] << 2 | pairs[:, :, 2] << 4 | pairs[:, :, 3] << 6
+        return torch.cat((stored, high.view(n, groups, 8)), dim=2)
+    return stored
+
+
+def _six_bit_codes(lanes: torch.Tensor) -> torch.Tensor:
+    """6-bit codes q [..., groups * 32] int16 from their groups' lanes [..., groups, 6, 4]:
+    the nibbles, then the high pairs of each 16 k (k = 16h + 4c + j in bits 2c of byte j)."""
+    high = lanes[..., 4:, :].unsqueeze(-2) >> torch.tensor([0, 2, 4, 6])[:, None] & 3
+    return (_nibbles(lanes[..., :4, :]) | high.flatten(-3) << 4).flatten(-2).to(torch.int16)
 
 
 def _nibbles(stored: torch.Tensor) -> torch.Tensor:

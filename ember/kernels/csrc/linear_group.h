@@ -430,29 +430,32 @@ inline float half_value(uint16_t h) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 
+// Byte `sub` of channel j's sub-block scale lanes in the super-block holding group g.
+template <int Bits>
+inline uint8_t sub_scale_byte(const uint8_t* pan, int64_t g, int64_t sub, int64_t j) {
+  return sub_scale_lanes<Bits>(pan, g)[((sub / 4) * kPanel + j) * 4 + sub % 4];
+}
+
 // Channel j's scale of segment s (6-bit: the half of 16 k) of group g (the scalar path), and
 // (4-bit with offsets) its offset scale.
 template <int Bits, bool Super>
 inline float group_scale(const uint8_t* pan, const uint16_t* dp, int64_t g, int64_t s,
                          int64_t j) {
-  const auto half = half_value;
   if constexpr (Super) {
     const int64_t sub = Bits == 6 ? 2 * (g % kSuperGroups) + s : g % kSuperGroups;
-    const uint8_t b = sub_scale_lanes<Bits>(pan, g)[((sub / 4) * kPanel + j) * 4 + sub % 4];
+    const uint8_t b = sub_scale_byte<Bits>(pan, g, sub, j);
     const float sc = static_cast<float>(Bits == 6 ? static_cast<int8_t>(b) : b);
-    return half(dp[(g / kSuperGroups) * kPanel + j]) * sc;
+    return half_value(dp[(g / kSuperGroups) * kPanel + j]) * sc;
   }
-  return half(dp[(g * (Bits == 6 ? 2 : 1) + s) * kPanel + j]);
+  return half_value(dp[(g * (Bits == 6 ? 2 : 1) + s) * kPanel + j]);
 }
 template <int Bits, bool Super>
 inline float group_min(const uint8_t* pan, const uint16_t* mp, int64_t g, int64_t j) {
-  const auto half = half_value;
   if constexpr (Super) {
-    const int64_t sub = kSuperGroups + g % kSuperGroups;
-    const uint8_t b = sub_scale_lanes<Bits>(pan, g)[((sub / 4) * kPanel + j) * 4 + sub % 4];
-    return half(mp[(g / kSuperGroups) * kPanel + j]) * static_cast<float>(b);
+    const uint8_t m = sub_scale_byte<Bits>(pan, g, kSuperGroups + g % kSuperGroups, j);
+    return half_value(mp[(g / kSuperGroups) * kPanel + j]) * static_cast<float>(m);
   }
-  return half(mp[g * kPanel + j]);
+  return half_value(mp[g * kPanel + j]);
 }
 
 // The code of channel j at k in a panel (the scalar path): q for 8-bit codes, the stored
