@@ -403,6 +403,12 @@ void attend_rows(float* op, const float* qp, const at::Tensor& cache,
   });
 }
 
+// A prefill chunk of a step (see attend_chunks); declared for every build, as attend_step
+// lists them before it knows whether tiles run.
+struct Chunk {
+  int64_t seq, t0, q_len, len;
+};
+
 #ifdef EMBER_SIMD
 // s[0 : NV * kLanes] = sc * (q . k_j) for the positions j of NV vectors of a chunk's
 // transposed K rows (kt: [D, Lp] from their first position): one broadcast of q[d] shared by
@@ -484,10 +490,6 @@ void attend_chunk_head(float* op, const float* qp, const C* kp, const C* vp,
 // A step's prefill chunks (sequence, first query token, query rows, context length) attended
 // by `attend_chunk_head`, in parallel over (chunk, K/V head, slice of rows) tasks: enough
 // slices for 4 tasks a thread, none under 16 rows. q, out: [T, H, D] float32.
-struct Chunk {
-  int64_t seq, t0, q_len, len;
-};
-
 template <typename C>
 void attend_chunks(float* op, const float* qp, const at::Tensor& cache,
                    const std::vector<Chunk>& chunks, const int64_t* tables, int64_t max_blocks,
