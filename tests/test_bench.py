@@ -126,3 +126,17 @@ def test_the_workload_suite_runs_on_a_tiny_shape(tmp_path):
     )
     assert e2e.returncode == 0, e2e.stdout[-2000:]
     assert "2 passed" in e2e.stdout and "out tok/s" in e2e.stdout
+
+
+def test_run_ember_child_runs_a_workload_in_a_fresh_process(checkpoint_dir):
+    """The peer benchmarks' child runner: one engine per process, its numbers and cache dtype
+    back as JSON; a child that fails is a RuntimeError carrying its error."""
+    d = checkpoint_dir("tiny-llama")
+    tiny = dataclasses.replace(bench.WORKLOADS["lat"], name="tiny", prompt_len=8, output_len=4)
+    engine = {"compile": False, "kv_cache_gib": 0.01, "max_model_len": 64}
+    out = bench.run_ember_child(d, 1, [tiny], **engine)
+    assert out["kv"] == "float32"
+    assert out["tiny"]["ttft_ms"] > 0 and out["tiny"]["tpot_ms"] > 0
+    assert out["tiny"]["out_tok_s"] > 0
+    with pytest.raises(RuntimeError, match="max_model_len"):
+        bench.run_ember_child(d, 1, [tiny], **{**engine, "max_model_len": -1})

@@ -27,37 +27,12 @@ import os
 import re
 import statistics
 import subprocess
-import sys
-
-_CHILD = """
-import json, sys
-from ember import LLM
-from ember.tools.bench import WORKLOADS, run_ember
-path, isa, repeats, workloads = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-llm = LLM(model=path, cpu_isa=isa, use_tqdm=False)
-out = {}
-for w in workloads.split(","):
-    r = run_ember(llm, WORKLOADS[w], repeats)
-    out[w] = {"ttft_ms": r.ttft_ms, "tpot_ms": r.tpot_ms, "out_tok_s": r.out_tok_s}
-llm.close()
-print(json.dumps(out))
-"""
 
 
 def ember_run(path: str, isa: str, repeats: int, workloads: str = "lat,thru") -> dict:
-    from ember import host
+    from ember.tools.bench import run_ember_child
 
-    env = dict(os.environ)
-    if isa == "avx2":
-        env.update({host.HOST_ISA_ENV: "avx2"}, **host.AVX2_ENV)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    child = subprocess.run(
-        [sys.executable, "-c", _CHILD, path, isa, str(repeats), workloads],
-        capture_output=True, text=True, env=env, cwd=root,
-    )  # fmt: skip
-    if child.returncode != 0:
-        raise RuntimeError(f"ember on {path}: {child.stderr[-2000:]}")
-    return json.loads(child.stdout.strip().splitlines()[-1])
+    return run_ember_child(path, repeats, workloads.split(","), cpu_isa=isa)
 
 
 def _bench_json(bin_dir: str, path: str, args: list[str], repeats: int) -> dict:

@@ -9,8 +9,11 @@ OpenVINO: `../shared/peers/openvino-venv.sh` builds its venv; this exports the I
 defaults: its KV-cache and inference precisions are printed). ember: `run_ember`, in a child
 process per engine, compiled (a warm-up run first fills the compile and weights caches).
 
+`--cpu-isa avx2`: both as on an AVX2-only CPU: ember with `cpu_isa="avx2"` (its AVX2 kernels,
+ATen and oneDNN capped), OpenVINO with oneDNN capped at AVX2 and f32 math (its default there).
+
 usage: python benchmarks/peers/openvino.py CHECKPOINT_DIR [--ov-venv ~/.cache/peers/openvino]
-           [--peers ../shared/peers] [--repeats 3]
+           [--peers ../shared/peers] [--repeats 3] [--cpu-isa native|avx2]
 """
 
 from __future__ import annotations
@@ -19,43 +22,41 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 
-_CHILD = """
-import json, sys
-from ember import LLM
-from ember.tools.bench import WORKLOADS, run_ember
-path, dtype, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
-llm = LLM(model=path, dtype=dtype, use_tqdm=False)
-out = {}
-for w in ("lat", "thru"):
-    r = run_ember(llm, WORKLOADS[w], repeats)
-    out[w] = {"ttft_ms": r.ttft_ms, "tpot_ms": r.tpot_ms, "out_tok_s": r.out_tok_s}
-out["kv"] = str(llm.config.kv_dtype)
-llm.close()
-print(json.dumps(out))
+# ov_bench.py with CPU plugin properties added to its pipeline's (the AVX2 column's f32 math).
+_OV_WITH_PROPERTIES = """
+import json, runpy, sys
+import openvino_genai as og
+extra, bench = json.loads(sys.argv[1]), sys.argv[2]
+base = og.ContinuousBatchingPipeline
+og.ContinuousBatchingPipeline = lambda ir, sc, dev, props: base(ir, sc, dev, {**props, **extra})
+sys.argv = [bench] + sys.argv[3:]
+runpy.run_path(bench, run_name="__main__")
 """
 
 
-def ember_run(path: str, dtype: str, repeats: int) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    child = subprocess.run(
-        [sys.executable, "-c", _CHILD, path, dtype, str(repeats)],
-        capture_output=True, text=True, cwd=root,
-    )  # fmt: skip
-    if child.returncode != 0:
-        raise RuntimeError(f"ember on {path}: {child.stderr[-2000:]}")
-    return json.loads(child.stdout.strip().splitlines()[-1])
+def ember_run(path: str, dtype: str, isa: str, repeats: int) -> dict:
+    from ember.tools.bench import run_ember_child
+
+    return run_ember_child(path, repeats, cpu_isa=isa, dtype=dtype)
 
 
-def openvino_run(venv: str, peers: str, ir: str, repeats: int) -> dict:
+def openvino_run(venv: str, peers: str, ir: str, isa: str, repeats: int) -> dict:
+    env, cmd = dict(os.environ), [f"{venv}/bin/python", f"{peers}/ov_bench.py", ir]
+    if isa == "avx2":
+        # An AVX2-only CPU's defaults: oneDNN capped at AVX2 (OV_CPU_MAX_ISA caps the plugin's
+        # own kernels only in builds that read it), and f32 math, which the plugin picks itself
+        # without AVX512-BF16 but not under the cap alone (its bf16 check reads CPUID).
+        env.update(ONEDNN_MAX_CPU_ISA="AVX2", OV_CPU_MAX_ISA="AVX2")
+        props = {"INFERENCE_PRECISION_HINT": "f32"}
+        cmd = [cmd[0], "-c", _OV_WITH_PROPERTIES, json.dumps(props)] + cmd[1:]
     runs = []
     for _ in range(repeats):
-        out = subprocess.run(
-            [f"{venv}/bin/python", f"{peers}/ov_bench.py", ir],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-        runs.append(json.loads(out.strip().splitlines()[-1]))
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
+        run = json.loads(out.strip().splitlines()[-1])
+        if isa == "avx2":
+            run["inference_precision"] = "f32"  # ov_bench prints a fresh Core's default
+        runs.append(run)
     runs.sort(key=lambda r: r["thru"])
     mid = runs[len(runs) // 2]
     lat = sorted(runs, key=lambda r: r["tpot"])[len(runs) // 2]
@@ -87,8 +88,9 @@ def main() -> None:
     parser.add_argument("--ov-venv", default=os.path.expanduser("~/.cache/peers/openvino"))
     parser.add_argument("--peers", default=os.path.join(here, "..", "..", "..", "shared", "peers"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cpu-isa", default="native", choices=("native", "avx2"))
     args = parser.parse_args()
-    print(f"{cpu_description()}; {args.checkpoint}")
+    print(f"{cpu_description()}; {args.checkpoint}; --cpu-isa {args.cpu_isa}")
     print(
         "| weights | OpenVINO TTFT ms | ember | ratio | OpenVINO TPOT ms | ember | ratio | "
         "OpenVINO W-THRU tok/s | ember | ratio | caches (OV / ember) |"
@@ -96,9 +98,9 @@ def main() -> None:
     print("|---" * 11 + "|", flush=True)
     for weight_format, dtype in (("fp16", "auto"), ("int8", "int8")):
         ir = export(args.ov_venv, args.checkpoint, weight_format)
-        ember_run(args.checkpoint, dtype, 1)  # warm-up: compile and weights caches
-        e = ember_run(args.checkpoint, dtype, args.repeats)
-        o = openvino_run(args.ov_venv, args.peers, ir, args.repeats)
+        ember_run(args.checkpoint, dtype, args.cpu_isa, 1)  # warm-up: compile, weights caches
+        e = ember_run(args.checkpoint, dtype, args.cpu_isa, args.repeats)
+        o = openvino_run(args.ov_venv, args.peers, ir, args.cpu_isa, args.repeats)
         print(
             f"| {weight_format} IR / ember dtype={dtype} "
             f"| {o['lat']['ttft_ms']:.1f} | {e['lat']['ttft_ms']:.1f} "
@@ -107,7 +109,7 @@ def main() -> None:
             f"| {e['lat']['tpot_ms'] / o['lat']['tpot_ms']:.2f} "
             f"| {o['thru']['out_tok_s']:.1f} | {e['thru']['out_tok_s']:.1f} "
             f"| {e['thru']['out_tok_s'] / o['thru']['out_tok_s']:.2f} "
-            f"| {o['kv']} ({o['math']} math) / {e['kv'].removeprefix('torch.')} |",
+            f"| {o['kv']} ({o['math']} math) / {e['kv']} |",
             flush=True,
         )
 

@@ -123,6 +123,55 @@ def run_ember(
     return summarize("ember", runs)
 
 
+_CHILD = """
+import json, sys
+from ember import LLM
+from ember.tools.bench import Workload, run_ember
+args = json.loads(sys.argv[1])
+llm = LLM(model=args["model"], use_tqdm=False, **args["engine"])
+out = {"kv": str(llm.config.kv_dtype).removeprefix("torch.")}
+for key, w in args["workloads"]:
+    r = run_ember(llm, Workload(**w), args["repeats"])
+    out[key] = {"ttft_ms": r.ttft_ms, "tpot_ms": r.tpot_ms, "out_tok_s": r.out_tok_s}
+llm.close()
+print(json.dumps(out))
+"""
+
+
+def run_ember_child(
+    model: str,
+    repeats: int,
+    workloads: Sequence[str | Workload] = ("lat", "thru"),
+    cpu_isa: str = "native",
+    **engine_args: Any,
+) -> dict[str, Any]:
+    """`run_ember` on `model` in a fresh child process (so each engine starts from the caches
+    alone, and `cpu_isa="avx2"` makes the whole child an AVX2-only host: `EMBER_CPU_ISA`, ATen
+    and oneDNN capped). `workloads`: keys of WORKLOADS or Workloads. Returns {key (a Workload's
+    name): {ttft_ms, tpot_ms, out_tok_s}, "kv": the cache dtype}; `engine_args` go to `LLM` (JSON
+    values); a failed child is a RuntimeError with the end of its stderr. For the peer
+    benchmarks."""
+    import dataclasses
+    import json
+    import subprocess
+    import sys
+
+    from ember import host
+
+    env = dict(os.environ)
+    if cpu_isa == "avx2":
+        env.update({host.HOST_ISA_ENV: "avx2"}, **host.AVX2_ENV)
+    chosen = [(w, WORKLOADS[w]) if isinstance(w, str) else (w.name, w) for w in workloads]
+    spec = {"model": model, "repeats": repeats, "engine": {"cpu_isa": cpu_isa, **engine_args},
+            "workloads": [(key, dataclasses.asdict(w)) for key, w in chosen]}  # fmt: skip
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(spec)], capture_output=True, text=True, env=env
+    )
+    if child.returncode != 0:
+        raise RuntimeError(f"ember on {model}: {child.stderr[-2000:]}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
 def run_hf(
     model_dir: str,
     dtype: torch.dtype,
