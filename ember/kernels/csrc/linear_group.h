@@ -282,7 +282,7 @@ inline void chain(vint& v) { __asm__("" : "+v"(v)); }
 // 1.07x (spills), 6 rows with it as much as 4, and `chain` on the 6-bit path cost 5%.
 constexpr int kGroupRowBlock = kLanes == 16 ? 6 : 2;
 constexpr int kGroup6RowBlock = kLanes == 16 ? 4 : 2;
-constexpr int kGroup4RowBlock = kLanes == 16 ? 6 : 4;
+constexpr int kGroup4RowBlock = kLanes == 16 ? kGroupRowBlock : 4;  // AVX2 only: 4
 // Software prefetch of the code stream, AVX2 builds only. Measured on AMD EPYC (Zen 4), 2 cores,
 // qwen2-0.5b's 96 layer projections at M=1, pass time against a streaming read of as many bytes
 // interleaved in one process (medians over processes): AVX-512 q8_0 0.70 with it, 0.84 without;
@@ -292,7 +292,7 @@ constexpr bool kGroupPrefetch = kLanes == 8;
 #else
 constexpr int kGroupRowBlock = 4;
 constexpr int kGroup6RowBlock = 4;
-constexpr int kGroup4RowBlock = 4;
+constexpr int kGroup4RowBlock = kGroupRowBlock;
 #endif
 
 #ifdef EMBER_SIMD
