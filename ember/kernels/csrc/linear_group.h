@@ -113,19 +113,30 @@ inline void quantize_group_simd(const float* x, int8_t* q, float* scale, int32_t
 #endif
 #endif
 
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+// copies = 2: each group's 32 codes followed by their absolute values (row stride 2K), which
+// the 8-bit kernels without VNNI broadcast instead of taking each row's |xq| again per vector
+// of channels (kX8Copies).
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int copies = 1) {
   const int64_t G = K / kGroup;
-  QuantizedRows out{std::vector<int8_t>(M * K), std::vector<float>(M * G),
+  QuantizedRows out{std::vector<int8_t>(M * K * copies), std::vector<float>(M * G),
                     std::vector<int32_t>(M * G), std::vector<int32_t>(M * G)};
   at::parallel_for(0, M * G, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {  // group i of the flattened x: row i / G, group i % G
+      int8_t* q = out.q.data() + i * kGroup * copies;
 #ifdef EMBER_SIMD
-      quantize_group_simd(x + i * kGroup, out.q.data() + i * kGroup, &out.scale[i], &out.sum[i],
-                          &out.half[i]);
+      quantize_group_simd(x + i * kGroup, q, &out.scale[i], &out.sum[i], &out.half[i]);
 #else
-      quantize_group(x + i * kGroup, out.q.data() + i * kGroup, &out.scale[i], &out.sum[i],
-                     &out.half[i]);
+      quantize_group(x + i * kGroup, q, &out.scale[i], &out.sum[i], &out.half[i]);
 #endif
+      if (copies == 2) {
+#ifdef EMBER_SIMD
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + kGroup), _mm256_abs_epi8(v));
+#else
+        for (int64_t k = 0; k < kGroup; ++k)
+          q[kGroup + k] = static_cast<int8_t>(std::abs(static_cast<int32_t>(q[k])));
+#endif
+      }
     }
   });
   return out;
@@ -174,11 +185,10 @@ inline vint dot_u8s8(vint acc, vint a, vint b) { return _mm512_dpbusd_epi32(acc,
 inline vint dot_u8s8(vint acc, vint a, vint b) {  // a <= 63 (4-, 6-bit codes): no saturation
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)));
 }
-// acc += signed bytes a . signed bytes b: |b| . (a with b's sign), so maddubs does not saturate.
-inline vint dot_s8s8(vint acc, vint a, vint b) {
-  const __mmask64 negative = _mm512_movepi8_mask(b);
-  const vint a_signed = _mm512_mask_sub_epi8(a, negative, _mm512_setzero_si512(), a);
-  return dot_u8s8(acc, _mm512_abs_epi8(b), a_signed);
+// a with b's sign (a's bytes where b is 0 are kept: their product with |b| is 0), for signed
+// bytes a . b as |b| . sign8(a, b), which maddubs takes without saturating.
+inline vint sign8(vint a, vint b) {
+  return _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(b), _mm512_setzero_si512(), a);
 }
 inline vint dot4(vint acc, vint a, vint b) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(a, b)); }
 inline vint add4(vint a, vint b) { return _mm512_add_epi16(a, b); }
@@ -226,9 +236,7 @@ inline vint dot_u8s8(vint acc, vint a, vint b) { return _mm256_dpbusd_avx_epi32(
 inline vint dot_u8s8(vint acc, vint a, vint b) {  // a <= 63 (4-, 6-bit codes): no saturation
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
 }
-inline vint dot_s8s8(vint acc, vint a, vint b) {
-  return dot_u8s8(acc, _mm256_abs_epi8(b), _mm256_sign_epi8(a, b));
-}
+inline vint sign8(vint a, vint b) { return _mm256_sign_epi8(a, b); }
 inline vint dot4(vint acc, vint a, vint b) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(a, b)); }
 inline vint add4(vint a, vint b) { return _mm256_add_epi16(a, b); }
 inline vint sums4(vint acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
@@ -255,12 +263,18 @@ inline vint dot_pair(vint acc, vint a, vint b, vint c, vint d) {
   return dot_u8s8(dot_u8s8(acc, a, b), c, d);
 }
 inline vint codes8(vint v) { return v; }
-inline vint dot8(vint acc, vint codes, vint xb) { return dot_u8s8(acc, codes, xb); }
 constexpr int32_t kCode8Bias = 128;
+constexpr int kX8Copies = 1;
 #else
 inline vint codes8(vint v) { return flip_bytes(v); }
-inline vint dot8(vint acc, vint codes, vint xb) { return dot_s8s8(acc, codes, xb); }
 constexpr int32_t kCode8Bias = 0;
+// The sign trick, |xq| . (q with xq's sign), with |xq| stored beside xq by quantize_rows
+// (copies = 2) and broadcast from there: a vpabsb less per row and pair of code vectors
+// (4 of 4.5 vector ops per 32 products). AMD EPYC (Zen 4), AVX2 build, 2 threads, llama-160m's
+// 48 projections as Q8_0, alternated processes, ms at M = 32 / 128 / 512: 3.82, 3.83, 3.86 ->
+// 3.68, 3.71, 3.98 / 15.9, 16.2, 16.2 -> 14.3, 14.3, 15.2 / 65.0, 66.4, 65.6 -> 58.6, 59.0,
+// 62.3 (99 -> 108 GMAC/s at M = 512, 74% of the sequence's register-only 146).
+constexpr int kX8Copies = 2;
 #endif
 // An accumulator made opaque to the optimizer after a step (an empty asm), so it stays one
 // register summed in order. Without VNNI a 4-bit product is vpmaddubsw, then an int16 add,
@@ -293,6 +307,7 @@ constexpr bool kGroupPrefetch = kLanes == 8;
 constexpr int kGroupRowBlock = 4;
 constexpr int kGroup6RowBlock = 4;
 constexpr int kGroup4RowBlock = kGroupRowBlock;
+constexpr int kX8Copies = 1;
 #endif
 
 #ifdef EMBER_SIMD
@@ -356,9 +371,10 @@ inline void prefetch_group(const uint8_t* q) {
 }
 
 // s0/s1[r] = the int32 sums of one group of 8-bit codes (q, stored q + 128) of a panel's two
-// vectors of channels times row r's quantized x (xg + r * K), uncorrected for the offset.
+// vectors of channels times row r's quantized x (xg + r * rs: quantize_rows with kX8Copies),
+// uncorrected for the offset.
 template <int MR>
-inline void group_dots8(const uint8_t* q, const int8_t* xg, int64_t K, vint* s0, vint* s1) {
+inline void group_dots8(const uint8_t* q, const int8_t* xg, int64_t rs, vint* s0, vint* s1) {
   constexpr int64_t kVec = kLanes * 4;
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) s0[r] = s1[r] = izero();
@@ -367,9 +383,15 @@ inline void group_dots8(const uint8_t* q, const int8_t* xg, int64_t K, vint* s0,
     const vint w0 = codes8(iload(q + 2 * i * kVec)), w1 = codes8(iload(q + (2 * i + 1) * kVec));
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const vint xb = ibcast(xg + r * K + 4 * i);
-      s0[r] = dot8(s0[r], w0, xb);
-      s1[r] = dot8(s1[r], w1, xb);
+      const vint xb = ibcast(xg + r * rs + 4 * i);
+#ifdef EMBER_VNNI
+      s0[r] = dot_u8s8(s0[r], w0, xb);
+      s1[r] = dot_u8s8(s1[r], w1, xb);
+#else
+      const vint xa = ibcast(xg + r * rs + kGroup + 4 * i);  // |xq|
+      s0[r] = dot_u8s8(s0[r], xa, sign8(w0, xb));
+      s1[r] = dot_u8s8(s1[r], xa, sign8(w1, xb));
+#endif
     }
   }
 }
@@ -516,6 +538,7 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
                        const float* bi, float* __restrict sup, bool fill) {
   const int64_t G = K / kGroup;
   constexpr int64_t kBytes = kGroup * kPanel * Bits / 8;  // codes per group of a panel
+  constexpr int kXCopies = Bits == 8 ? kX8Copies : 1;  // quantize_rows' copies
 #ifdef EMBER_SIMD
   constexpr int64_t kVec = kLanes * 4;  // bytes per code vector (kLanes channels)
   vfloat a0[MR], a1[MR];
@@ -531,7 +554,7 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* q = pan + group_offset<Bits, Super>(g);
     prefetch_group<kBytes>(q);
-    const int8_t* xg = xq + g * kGroup;
+    const int8_t* xg = xq + g * kGroup * kXCopies;
     // super-blocks: the sub-block scales of group g's (super_scales)
     float(*super)[kPanel] = local;
     if constexpr (Super) {
@@ -623,7 +646,7 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
     }
     vint s0[MR], s1[MR];
     if constexpr (Bits == 8) {
-      group_dots8<MR>(q, xg, K, s0, s1);
+      group_dots8<MR>(q, xg, K * kXCopies, s0, s1);
     } else {
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) s0[r] = s1[r] = izero();
@@ -741,7 +764,8 @@ void group_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const u
       Super ? G / kSuperGroups * super_lanes<Bits>() * 4 * kPanel : K * kPanel * Bits / 8;
   // 6-bit: a scale per 16 k; super-blocks: one per 256
   const int64_t scale_rows = Super ? G / kSuperGroups : Bits == 6 ? 2 * G : G;
-  const QuantizedRows xq = quantize_rows(x, M, K);
+  constexpr int kXCopies = Bits == 8 ? kX8Copies : 1;
+  const QuantizedRows xq = quantize_rows(x, M, K, kXCopies);
   for_panel_tasks(
       M, N, K,
       [&](int64_t p, int64_t n, int64_t cols, const RowBlocks& blocks) {
@@ -756,7 +780,7 @@ void group_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const u
           const int64_t gb = std::min(G, ga + kPanelDepth / kGroup);
           bool fill = true;
           blocks.each([&](int64_t m0, int64_t rows) {
-            kernels[rows - 1](xq.q.data() + m0 * K, xq.scale.data() + m0 * G,
+            kernels[rows - 1](xq.q.data() + m0 * K * kXCopies, xq.scale.data() + m0 * G,
                               xq.sum.data() + m0 * G, xq.half.data() + m0 * G, K, pan, dp, mp,
                               ga, gb, y + m0 * N + n, N, cols, ga == 0,
                               gb == G && bias ? bi : nullptr, &sup[0][0], fill);
@@ -806,9 +830,9 @@ inline void channel_rows(const int8_t* xq, const float* dx, const int32_t* xs, i
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* q = pan + g * kBytes;
     prefetch_group<kBytes>(q);
-    const int8_t* xg = xq + g * kGroup;
+    const int8_t* xg = xq + g * kGroup * kX8Copies;
     vint s0[MR], s1[MR];
-    group_dots8<MR>(q, xg, K, s0, s1);
+    group_dots8<MR>(q, xg, K * kX8Copies, s0, s1);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const int32_t bias = kCode8Bias * xs[r * G + g];
@@ -881,7 +905,7 @@ at::Tensor int8_dot_linear(const at::Tensor& x_in, const at::Tensor& codes,
     const auto* cp = codes.data_ptr<uint8_t>();
     const float* sp = scales->data_ptr<float>();
     float* yp = y.data_ptr<float>();
-    const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);
+    const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K, kX8Copies);
     for_panel_tasks(
         M, N, K,
         [&](int64_t p, int64_t n, int64_t cols, const RowBlocks& blocks) {
@@ -891,7 +915,7 @@ at::Tensor int8_dot_linear(const at::Tensor& x_in, const at::Tensor& codes,
           for (int64_t ga = 0; ga < G; ga += kPanelDepth / kGroup) {
             const int64_t gb = std::min(G, ga + kPanelDepth / kGroup);
             blocks.each([&](int64_t m0, int64_t rows) {
-              kernels[rows - 1](xq.q.data() + m0 * K, xq.scale.data() + m0 * G,
+              kernels[rows - 1](xq.q.data() + m0 * K * kX8Copies, xq.scale.data() + m0 * G,
                                 xq.sum.data() + m0 * G, K, pan, sp + p * kPanel, ga, gb,
                                 yp + m0 * N + n, N, cols, ga == 0, gb == G && bp ? bi : nullptr);
             });
