@@ -270,15 +270,18 @@ inline vint codes8(vint v) { return flip_bytes(v); }
 constexpr int32_t kCode8Bias = 0;
 // The sign trick, |xq| . (q with xq's sign), with |xq| stored beside xq by quantize_rows
 // (copies = 2) and broadcast from there: a vpabsb less per row and pair of code vectors
-// (4 of 4.5 vector ops per 32 products). AMD EPYC (Zen 4), AVX2 build, 2 threads, llama-160m's
-// 48 projections as Q8_0, alternated processes, ms at M = 32 / 128 / 512: 3.82, 3.83, 3.86 ->
-// 3.68, 3.71, 3.98 / 15.9, 16.2, 16.2 -> 14.3, 14.3, 15.2 / 65.0, 66.4, 65.6 -> 58.6, 59.0,
-// 62.3 (99 -> 108 GMAC/s at M = 512, 74% of the sequence's register-only 146).
+// (4 of 4.5 vector ops per 32 products), its int32 sums kept in order by `chain` (GCC had
+// summed them as a tree after spilling them: 65 stack accesses in the 2-row kernel, 18 with
+// it). AMD EPYC (Zen 4), AVX2 build, 2 threads, llama-160m's 48 projections as Q8_0, 3
+// alternated rounds, ms at M = 32 / 128 / 512: before 3.78, 3.77, 3.76 / 15.8, 15.5, 15.1 /
+// 64.7, 64.7, 64.7; |xq| stored 3.63, 3.55, 3.57 / 14.1, 14.2, 14.5 / 57.6, 60.1, 62.0; and
+// `chain` 3.37, 3.40, 3.37 / 13.0, 13.3, 13.1 / 52.6, 54.1, 54.2 (1.2x at M = 512). Blocks
+// of 3 or 4 rows with both: no better than 2.
 constexpr int kX8Copies = 2;
 #endif
 // An accumulator made opaque to the optimizer after a step (an empty asm), so it stays one
-// register summed in order. Without VNNI a 4-bit product is vpmaddubsw, then an int16 add,
-// and GCC reassociates the adds: it computed every product of an unrolled group first,
+// register summed in order. Without VNNI a 4-bit product is vpmaddubsw, then an int16 add
+// (8-bit: vpmaddubsw, vpmaddwd, then an int32 add), and GCC reassociates the adds: it computed every product of an unrolled group first,
 // spilled them to the stack and summed them as a tree (AVX2, 2 rows: 21 stack stores a
 // group). With VNNI the product accumulates in place, and this is a no-op.
 #ifdef EMBER_VNNI
@@ -391,6 +394,8 @@ inline void group_dots8(const uint8_t* q, const int8_t* xg, int64_t rs, vint* s0
       const vint xa = ibcast(xg + r * rs + kGroup + 4 * i);  // |xq|
       s0[r] = dot_u8s8(s0[r], xa, sign8(w0, xb));
       s1[r] = dot_u8s8(s1[r], xa, sign8(w1, xb));
+      chain(s0[r]);
+      chain(s1[r]);
 #endif
     }
   }
