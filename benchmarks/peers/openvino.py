@@ -13,7 +13,7 @@ process per engine, compiled (a warm-up run first fills the compile and weights 
 ATen and oneDNN capped), OpenVINO with oneDNN capped at AVX2 and f32 math (its default there).
 
 usage: python benchmarks/peers/openvino.py CHECKPOINT_DIR [--ov-venv ~/.cache/peers/openvino]
-           [--peers ../shared/peers] [--repeats 3] [--cpu-isa native|avx2]
+           [--peers ../shared/peers] [--repeats 3] [--cpu-isa native|avx2] [--weights fp16,int8]
 """
 
 from __future__ import annotations
@@ -89,14 +89,20 @@ def main() -> None:
     parser.add_argument("--peers", default=os.path.join(here, "..", "..", "..", "shared", "peers"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cpu-isa", default="native", choices=("native", "avx2"))
+    parser.add_argument("--weights", default="fp16,int8", help="IR weight formats, in order")
     args = parser.parse_args()
+    formats = args.weights.split(",")
+    for f in formats:
+        if f not in ("fp16", "int8"):
+            raise ValueError(f"--weights: {f!r} is not one of fp16, int8")
     print(f"{cpu_description()}; {args.checkpoint}; --cpu-isa {args.cpu_isa}")
     print(
         "| weights | OpenVINO TTFT ms | ember | ratio | OpenVINO TPOT ms | ember | ratio | "
         "OpenVINO W-THRU tok/s | ember | ratio | caches (OV / ember) |"
     )
     print("|---" * 11 + "|", flush=True)
-    for weight_format, dtype in (("fp16", "auto"), ("int8", "int8")):
+    for weight_format in formats:
+        dtype = {"fp16": "auto", "int8": "int8"}[weight_format]
         ir = export(args.ov_venv, args.checkpoint, weight_format)
         ember_run(args.checkpoint, dtype, args.cpu_isa, 1)  # warm-up: compile, weights caches
         e = ember_run(args.checkpoint, dtype, args.cpu_isa, args.repeats)
