@@ -126,12 +126,13 @@ def test_packed_linear_matches_float64(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", PACKED_DTYPES, ids=PACKED_IDS)
-@pytest.mark.parametrize(("n", "k"), [(1, 1), (3, 2050), (257, 1030), (64, 1024)])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (3, 2050), (257, 1030), (64, 1024), (33, 4100)])
 @pytest.mark.parametrize("rows", [1, 4, 19, 130])
 def test_packed_linear_odd_shapes_and_k_slices(dtype, n, k, rows):
     """k past one 1024-deep slice (partial sums carried in y), a single channel, panels of
-    exactly the width; 130 rows go through x in several 128 KiB chunks (n = 64: across the
-    row-block split of two panels too)."""
+    exactly the width (n = 64: across the row-block split of two panels too); k = 1024 (rows
+    4 KiB apart: more than 4 are copied to a longer stride); 130 rows of k = 4100 go through x
+    in two 2 MiB chunks."""
     x, w, scales, b, ref = _packed_case(rows, n, k, dtype, bias=n != 64)
     out = torch.ops.ember_cpu.packed_linear(
         x, torch.ops.ember_cpu.pack_linear_weight(w), scales, b, n
@@ -232,7 +233,8 @@ def _assert_rounded_once(out: torch.Tensor, ref: torch.Tensor, magnitude: torch.
 def test_bf16_pairs_match_exact_products_rounded_once(rows, n, k):
     """bf16 activations x bf16 pairs (vdpbf16ps): exact products, fp32 sums, y rounded to bf16
     once. Odd k (the last pair's second weight is 0), a partial panel, one channel, k = 4096 (one
-    2048-pair slice, y written in bf16) and k = 9001 (three slices, partial sums in fp32)."""
+    2048-pair slice, y written in bf16; rows 8 KiB apart, copied to a longer stride past 4 rows)
+    and k = 9001 (three slices, partial sums in fp32; 130 rows: two 2 MiB chunks of x)."""
     x, w, b, ref, magnitude = _pairs_case(rows, n, k, bias=n != 64)
     out = torch.ops.ember_cpu.packed_linear(x, torch.ops.ember_cpu.pack_bf16_pairs(w), None, b, n)
     assert out.shape == (rows, n)

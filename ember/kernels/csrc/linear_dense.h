@@ -378,24 +378,33 @@ struct RowBlocks {
 // of them, so decodes stream contiguous memory), split by row blocks too when there are too few
 // panels to keep every thread busy. Calls task(panel, first channel, channels, row blocks).
 // Large steps go through x a chunk of row blocks at a time (`row_bytes`: bytes of x per row),
-// every panel of the thread's run over one chunk before the next: the chunk (128 KiB) stays in
-// L2 while the panels pass over it, instead of all of x streaming from L3 or memory once per
-// panel. Decodes and small steps are one chunk.
+// every panel of the thread's run over one chunk before the next: the chunk stays in L2 (or
+// L3) while the panels pass over it, instead of all of x streaming from memory once per panel;
+// each chunk streams the thread's panels once more. Decodes and small steps are one chunk.
+// The group kernels (blocks of 2-6 rows of int8 x) take 128 KiB chunks; the dense ones (fp32
+// math and bf16 pairs, 12 rows), 2 MiB: 128 KiB held 16-32 rows of a 2048-wide x, so a 128-row
+// step streamed a 64 MiB weight (Llama-1B's gate/up, past L3) 4-8 times. AMD EPYC (Zen 4),
+// 2 threads, GFLOP/s at M = 128 / 512, 128 KiB -> 2 MiB: bf16 pairs (rows packed as in the
+// note at unaliased_rows) 337, 360 / 357, 364 -> 398, 415 / 402, 418; 512 KiB gained less,
+// 8 MiB as much as 2 MiB (but is past a small L3). The group kernels with AVX2 forced lost
+// with 2 MiB (ms at M = 2048, 128 KiB -> 2 MiB: Q4_0 152, 165 -> 185, 178; Q4_K 415, 420 ->
+// 470, 493) and were even natively.
 #ifndef EMBER_X_CHUNK
 #define EMBER_X_CHUNK (128 * 1024)
 #endif
 constexpr int64_t kXChunkBytes = EMBER_X_CHUNK;
+constexpr int64_t kDenseXChunkBytes = 2048 * 1024;
 
 template <typename Task>
 void for_panel_tasks(int64_t M, int64_t N, int64_t row_bytes, const Task& task,
-                     int64_t row_block = kRowBlock) {
+                     int64_t row_block = kRowBlock, int64_t chunk_bytes = kXChunkBytes) {
   const int64_t P = (N + kPanel - 1) / kPanel;
   const int64_t blocks = (M + row_block - 1) / row_block;
   const int64_t rows_per = (M + blocks - 1) / blocks;
   const int64_t threads = at::get_num_threads();
   const int64_t splits = std::min(blocks, std::max<int64_t>(1, (2 * threads + P - 1) / P));
   const int64_t chunk =
-      kXChunkBytes > 0 ? std::max<int64_t>(1, kXChunkBytes / (rows_per * row_bytes)) : blocks;
+      chunk_bytes > 0 ? std::max<int64_t>(1, chunk_bytes / (rows_per * row_bytes)) : blocks;
   at::parallel_for(0, P * splits, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t c0 = 0; c0 < blocks; c0 += chunk) {
       const int64_t c1 = std::min(blocks, c0 + chunk);
@@ -409,14 +418,42 @@ void for_panel_tasks(int64_t M, int64_t N, int64_t row_bytes, const Task& task,
   });
 }
 
-// y [M, N] = x [M, K] @ w^T * scales + bias, w packed [P, K, kPanel].
+// x [M, K] (a contiguous matrix) with its rows `ld` elements apart, for the register blocks,
+// which broadcast from up to kRowBlock rows at once. Rows whose byte stride is a multiple of
+// 1 KiB (K = 2048 or 8192 in fp32 or bf16) fall in a few L1 sets (64 sets of 64-byte lines on
+// current x86 cores, so rows 4 KiB apart share one set of 8-12 ways), and the block's lines
+// evict each other: those are copied to a stride one line longer. The group kernels' blocks of
+// 2-6 rows of int8 x showed no such loss. With the 2 MiB chunks of x (kDenseXChunkBytes), AMD
+// EPYC (Zen 4), 2 threads, GFLOP/s at M = 128 / 512, two alternated rounds, before -> after:
+// - bf16 pairs, N = 16384, K = 2048: 285, 272 / 284, 280 -> 420, 409 / 445, 431; N = 2048,
+//   K = 8192: 240, 231 / 235, 250 -> 427, 421 / 438, 432; N = 4096, K = 768: 446, 440 / 445,
+//   448 -> 431, 442 / 445, 438 (unchanged: neither applies).
+// - fp32 math with AVX2 forced, K = 2048: 167, 162 / 155, 153 -> 193, 187 / 189, 182.
+// The stride alone (128 KiB chunks) took the pairs from 263 to 341 (K = 2048) and 213 to 321
+// (K = 8192) at M = 128. Copying each block's rows into one sequential stream (the packing of A
+// in a GEMM) ran no faster than the longer stride once x came in 2 MiB chunks (K = 2048, M = 128
+// / 512: 400, 403 / 423, 429 packed, 402, 407 / 426, 427 strided).
+struct StridedRows {
+  at::Tensor x;
+  int64_t ld;
+};
+inline StridedRows unaliased_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), bytes = x.element_size();
+  if (M <= 4 || (K * bytes) % 1024 != 0) return {x, K};
+  const int64_t ld = K + 64 / bytes;
+  at::Tensor padded = at::empty({M, ld}, x.options());
+  padded.narrow(1, 0, K).copy_(x);
+  return {padded, ld};
+}
+
+// y [M, N] = x [M, K] (rows ld apart) @ w^T * scales + bias, w packed [P, K, kPanel].
 template <typename W>
-void packed_gemm(const float* x, const W* wp, const float* scales, const float* bias, float* y,
-                 int64_t M, int64_t N, int64_t K) {
+void packed_gemm(const float* x, int64_t ld, const W* wp, const float* scales, const float* bias,
+                 float* y, int64_t M, int64_t N, int64_t K) {
   static constexpr auto kernels =
       panel_kernels<W>(std::make_index_sequence<static_cast<size_t>(kRowBlock)>());
-  for_panel_tasks(M, N, K * sizeof(float), [&](int64_t p, int64_t n, int64_t cols,
-                                                const RowBlocks& blocks) {
+  for_panel_tasks(M, N, ld * sizeof(float), [&](int64_t p, int64_t n, int64_t cols,
+                                                 const RowBlocks& blocks) {
     alignas(64) float sc[kPanel], bi[kPanel];
     for (int64_t j = 0; j < kPanel; ++j) {
       sc[j] = scales && j < cols ? scales[n + j] : 1.f;
@@ -427,11 +464,11 @@ void packed_gemm(const float* x, const W* wp, const float* scales, const float* 
       const int64_t k1 = std::min(K, k0 + kPanelDepth);
       const bool last = k1 == K;
       blocks.each([&](int64_t m0, int64_t rows) {
-        kernels[rows - 1](x + m0 * K, K, pan, k0, k1, y + m0 * N + n, N, cols, k0 == 0,
+        kernels[rows - 1](x + m0 * ld, ld, pan, k0, k1, y + m0 * N + n, N, cols, k0 == 0,
                           last && (scales || bias) ? sc : nullptr, bi);
       });
     }
-  });
+  }, kRowBlock, kDenseXChunkBytes);
 }
 
 // Panels [P, K, kPanel] of w [N, K]: 64 k of each row at a time, then the next row.
@@ -574,14 +611,14 @@ constexpr std::array<PairKernel, sizeof...(R)> pair_kernels(std::index_sequence<
   return {&pair_rows<static_cast<int>(R) + 1>...};
 }
 
-// y [M, N] (bf16) = x [M, Ke] (bf16, Ke even) @ pairs + bias; tasks as in packed_gemm. `yf`:
-// fp32 [M, N] scratch for partial sums, needed only when Ke / 2 > kPairDepth.
-void pairs_gemm(const uint16_t* x, const uint16_t* wp, const float* bias, float* yf,
+// y [M, N] (bf16) = x [M, Ke] (bf16, Ke even, rows ld apart) @ pairs + bias; tasks as in
+// packed_gemm. `yf`: fp32 [M, N] scratch for partial sums, needed only when Ke / 2 > kPairDepth.
+void pairs_gemm(const uint16_t* x, int64_t ld, const uint16_t* wp, const float* bias, float* yf,
                 uint16_t* y, int64_t M, int64_t N, int64_t Ke) {
   static constexpr auto kernels =
       pair_kernels(std::make_index_sequence<static_cast<size_t>(kRowBlock)>());
   const int64_t J = Ke / 2;
-  for_panel_tasks(M, N, Ke * sizeof(uint16_t), [&](int64_t p, int64_t n, int64_t cols,
+  for_panel_tasks(M, N, ld * sizeof(uint16_t), [&](int64_t p, int64_t n, int64_t cols,
                                                    const RowBlocks& blocks) {
     alignas(64) float bi[kPanel];
     for (int64_t c = 0; c < kPanel; ++c) bi[c] = bias && c < cols ? bias[n + c] : 0.f;
@@ -589,11 +626,11 @@ void pairs_gemm(const uint16_t* x, const uint16_t* wp, const float* bias, float*
     for (int64_t j0 = 0; j0 < J; j0 += kPairDepth) {
       const int64_t j1 = std::min(J, j0 + kPairDepth);
       blocks.each([&](int64_t m0, int64_t rows) {
-        kernels[rows - 1](x + m0 * Ke, Ke, pan, j0, j1, yf ? yf + m0 * N + n : nullptr,
+        kernels[rows - 1](x + m0 * ld, ld, pan, j0, j1, yf ? yf + m0 * N + n : nullptr,
                           y + m0 * N + n, N, cols, j0 == 0, j1 == J, bi);
       });
     }
-  });
+  }, kRowBlock, kDenseXChunkBytes);
 }
 #endif
 
@@ -658,7 +695,8 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& w,
     if (M > 0) {
       at::Tensor b, partial;
       if (J > kPairDepth) partial = at::empty({M, N}, x.options().dtype(at::kFloat));
-      pairs_gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()),
+      const StridedRows rows = unaliased_rows(x);
+      pairs_gemm(reinterpret_cast<const uint16_t*>(rows.x.data_ptr()), rows.ld,
                  reinterpret_cast<const uint16_t*>(w.data_ptr()), bias_ptr(bias, b),
                  partial.defined() ? partial.data_ptr<float>() : nullptr,
                  reinterpret_cast<uint16_t*>(y.data_ptr()), M, N, 2 * J);
@@ -683,15 +721,17 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& w,
     s = scales->to(at::kFloat).contiguous();
     sp = s.data_ptr<float>();
   }
-  const float* xp = x.data_ptr<float>();
+  const StridedRows rows = unaliased_rows(x);
+  const float* xp = rows.x.data_ptr<float>();
+  const int64_t ld = rows.ld;
   float* yp = y.data_ptr<float>();
   switch (w.scalar_type()) {
-    case at::kFloat: packed_gemm(xp, w.data_ptr<float>(), sp, bp, yp, M, N, K); break;
+    case at::kFloat: packed_gemm(xp, ld, w.data_ptr<float>(), sp, bp, yp, M, N, K); break;
     case at::kBFloat16:
-      packed_gemm(xp, w.data_ptr<c10::BFloat16>(), sp, bp, yp, M, N, K);
+      packed_gemm(xp, ld, w.data_ptr<c10::BFloat16>(), sp, bp, yp, M, N, K);
       break;
-    case at::kHalf: packed_gemm(xp, w.data_ptr<c10::Half>(), sp, bp, yp, M, N, K); break;
-    case at::kChar: packed_gemm(xp, w.data_ptr<int8_t>(), sp, bp, yp, M, N, K); break;
+    case at::kHalf: packed_gemm(xp, ld, w.data_ptr<c10::Half>(), sp, bp, yp, M, N, K); break;
+    case at::kChar: packed_gemm(xp, ld, w.data_ptr<int8_t>(), sp, bp, yp, M, N, K); break;
     default: TORCH_CHECK(false, "packed_linear: w must be float32, bfloat16, float16 or int8");
   }
   return y.view(out_shape).to(x_in.scalar_type());
