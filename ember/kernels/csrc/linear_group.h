@@ -281,9 +281,10 @@ constexpr int kX8Copies = 2;
 #endif
 // An accumulator made opaque to the optimizer after a step (an empty asm), so it stays one
 // register summed in order. Without VNNI a 4-bit product is vpmaddubsw, then an int16 add
-// (8-bit: vpmaddubsw, vpmaddwd, then an int32 add), and GCC reassociates the adds: it computed every product of an unrolled group first,
-// spilled them to the stack and summed them as a tree (AVX2, 2 rows: 21 stack stores a
-// group). With VNNI the product accumulates in place, and this is a no-op.
+// (8-bit: vpmaddubsw, vpmaddwd, then an int32 add), and GCC reassociates the adds: it
+// computed every product of an unrolled group first, spilled them to the stack and summed
+// them as a tree (AVX2, 2 rows: 21 stack stores a group for 4-bit codes). With VNNI the
+// product accumulates in place, and this is a no-op.
 #ifdef EMBER_VNNI
 inline void chain(vint&) {}
 #else
