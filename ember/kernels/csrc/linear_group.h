@@ -128,14 +128,9 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int copies = 1
 #else
       quantize_group(x + i * kGroup, q, &out.scale[i], &out.sum[i], &out.half[i]);
 #endif
-      if (copies == 2) {
-#ifdef EMBER_SIMD
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + kGroup), _mm256_abs_epi8(v));
-#else
+      if (copies == 2) {  // one vpabsb a group (vectorized: |q| <= 127 fits int8)
         for (int64_t k = 0; k < kGroup; ++k)
           q[kGroup + k] = static_cast<int8_t>(std::abs(static_cast<int32_t>(q[k])));
-#endif
       }
     }
   });
@@ -313,6 +308,11 @@ constexpr int kGroup6RowBlock = 4;
 constexpr int kGroup4RowBlock = kGroupRowBlock;
 constexpr int kX8Copies = 1;
 #endif
+// quantize_rows' copies of x for a kernel of `Bits`-bit codes.
+template <int Bits>
+constexpr int x_copies() {
+  return Bits == 8 ? kX8Copies : 1;
+}
 
 #ifdef EMBER_SIMD
 // Bits 4-5 of each byte: the 2-bit field at bit S of each byte moved there (6-bit codes).
@@ -544,7 +544,7 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
                        const float* bi, float* __restrict sup, bool fill) {
   const int64_t G = K / kGroup;
   constexpr int64_t kBytes = kGroup * kPanel * Bits / 8;  // codes per group of a panel
-  constexpr int kXCopies = Bits == 8 ? kX8Copies : 1;  // quantize_rows' copies
+  constexpr int kXCopies = x_copies<Bits>();
 #ifdef EMBER_SIMD
   constexpr int64_t kVec = kLanes * 4;  // bytes per code vector (kLanes channels)
   vfloat a0[MR], a1[MR];
@@ -770,7 +770,7 @@ void group_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const u
       Super ? G / kSuperGroups * super_lanes<Bits>() * 4 * kPanel : K * kPanel * Bits / 8;
   // 6-bit: a scale per 16 k; super-blocks: one per 256
   const int64_t scale_rows = Super ? G / kSuperGroups : Bits == 6 ? 2 * G : G;
-  constexpr int kXCopies = Bits == 8 ? kX8Copies : 1;
+  constexpr int kXCopies = x_copies<Bits>();
   const QuantizedRows xq = quantize_rows(x, M, K, kXCopies);
   for_panel_tasks(
       M, N, K,
