@@ -35,6 +35,10 @@ runpy.run_path(bench, run_name="__main__")
 """
 
 
+# ember's dtype against each IR weight format: the checkpoint's bf16, or per-channel int8.
+_EMBER_DTYPE = {"fp16": "auto", "int8": "int8"}
+
+
 def ember_run(path: str, dtype: str, isa: str, repeats: int) -> dict:
     from ember.tools.bench import run_ember_child
 
@@ -93,8 +97,8 @@ def main() -> None:
     args = parser.parse_args()
     formats = args.weights.split(",")
     for f in formats:
-        if f not in ("fp16", "int8"):
-            raise ValueError(f"--weights: {f!r} is not one of fp16, int8")
+        if f not in _EMBER_DTYPE:
+            raise ValueError(f"--weights: {f!r} is not one of {', '.join(_EMBER_DTYPE)}")
     print(f"{cpu_description()}; {args.checkpoint}; --cpu-isa {args.cpu_isa}")
     print(
         "| weights | OpenVINO TTFT ms | ember | ratio | OpenVINO TPOT ms | ember | ratio | "
@@ -102,7 +106,7 @@ def main() -> None:
     )
     print("|---" * 11 + "|", flush=True)
     for weight_format in formats:
-        dtype = {"fp16": "auto", "int8": "int8"}[weight_format]
+        dtype = _EMBER_DTYPE[weight_format]
         ir = export(args.ov_venv, args.checkpoint, weight_format)
         ember_run(args.checkpoint, dtype, args.cpu_isa, 1)  # warm-up: compile, weights caches
         e = ember_run(args.checkpoint, dtype, args.cpu_isa, args.repeats)
