@@ -293,8 +293,13 @@ inline void chain(vint& v) { __asm__("" : "+v"(v)); }
 // 48 projections as Q4_0 2.98, 2.65 -> 2.36, 2.14 / 48.8, 46.4 -> 38.1, 38.0; Llama-1B's
 // gate/up as Q4_K 7.93, 7.79 -> 5.90, 6.22 / 133 -> 105, 103. 4 rows without `chain` gained
 // 1.07x (spills), 6 rows with it as much as 4, and `chain` on the 6-bit path cost 5%.
+// 6- and 5-bit codes on AVX2 in blocks of 4 rows too (their unpacking, 2.5 ops a code vector
+// against 1.5 for 4-bit, shared by twice the rows), same machine and build, 3 alternated
+// rounds, GMAC/s at M = 8 / 32 / 512, 2 rows -> 4: Llama-1B's down (2048 x 8192) as Q6_K 95-101
+// / 91-103 / 79-103 -> 127-129 / 126-131 / 123-131; a 32768 x 2048 Q6_K head 94 / 98-102 /
+// 76-98 -> 121 / 126-131 / 119-127; 4096 x 4096 as Q5_0 126-127 / 126-129 -> 147-154 / 152-162.
 constexpr int kGroupRowBlock = kLanes == 16 ? 6 : 2;
-constexpr int kGroup6RowBlock = kLanes == 16 ? 4 : 2;
+constexpr int kGroup6RowBlock = 4;
 constexpr int kGroup4RowBlock = kLanes == 16 ? kGroupRowBlock : 4;  // AVX2 only: 4
 // Software prefetch of the code stream, AVX2 builds only. Measured on AMD EPYC (Zen 4), 2 cores,
 // qwen2-0.5b's 96 layer projections at M=1, pass time against a streaming read of as many bytes
