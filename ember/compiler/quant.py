@@ -538,10 +538,11 @@ class GroupLinear(nn.Module):
     as the file holds them: 4.5 and 6.5 bits a weight plus 32 (16) per 256, where fp16
     scales per group took 5 and 7. Packed once into panels with each channel's
     codes for 4 (8-bit, stored as q + 128) or 8 (4-bit, k = 8i + j in the low nibble of byte j,
-    8i + 4 + j in the high one) consecutive k in one 32-bit lane; 6-bit codes as their low
-    nibbles the 4-bit way, then per group the high pairs of 16 k in a lane (k = 16h + 4c + j in
-    bits 2c of byte j); 5-bit codes as their low nibbles, then per group their high bits in one
-    lane (k = 8i + j in bit 2i of byte j, 8i + 4 + j in bit 2i + 1); super-blocks as 4 lanes
+    8i + 4 + j in the high one) consecutive k in one 32-bit lane; 6-bit codes per half of
+    16 k of a group as the high pairs of its 16 k in a lane (k = 16h + 4c + j in bits 2c of
+    byte j), then its low nibbles the 4-bit way (two lanes); 5-bit codes per group as their
+    high bits in one lane (k = 8i + j in bit 2i of byte j, 8i + 4 + j in bit 2i + 1), then
+    their low nibbles: the order the kernel reads them in; super-blocks as 4 lanes
     of sub-block scales per channel (Q4_K: sc, then m, group j in byte j % 4 of lane j / 4;
     Q6_K: the 16 int8 sc), then their 8 groups' codes, with d (and dm) in `scales` (`mins`)
     [P, K / 256, panel]. Every step runs
@@ -783,9 +784,9 @@ class GroupLinear(nn.Module):
             return (codes.unflatten(-1, (-1, 16)).float() * scales).flatten(-2)
         if self.bits == 5:  # nibbles, then bit 2i (+1 for k % 8 >= 4) of byte k % 4
             lanes = stored.unflatten(-2, (-1, 5))  # [..., groups, 5 lanes, 4]
-            low = _nibbles(lanes[..., :4, :])  # [..., groups, 32]
+            low = _nibbles(lanes[..., 1:, :])  # [..., groups, 32]
             k = torch.arange(GROUP_SIZE)
-            high = lanes[..., 4, :][..., k % 4] >> (2 * (k // 8) + (k % 8) // 4) & 1
+            high = lanes[..., 0, :][..., k % 4] >> (2 * (k // 8) + (k % 8) // 4) & 1
             codes = ((low | high << 4).to(torch.int16) - 16).flatten(-2)
         elif self.bits == 8:
             codes = stored.flatten(-2).to(torch.int16) - 128
@@ -827,29 +828,34 @@ class GroupLinear(nn.Module):
 
 def _group_bytes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Each group's stored bytes [n, K / 32, 16, 20 or 24] of 4-, 5- or 6-bit codes [n, K]
-    (see `GroupLinear`): the nibbles, then (5-bit) the high bits or (6-bit) the high pairs."""
+    (see `GroupLinear`): the nibbles; 5-bit: the high bits, then the nibbles; 6-bit: per half
+    of 16 k, its high pairs, then its nibbles."""
     n, k = codes.shape
     groups = k // GROUP_SIZE
     codes = codes.to(torch.uint8)
     octets = (codes & 15).view(n, k // 8, 2, 4)
     stored = (octets[:, :, 0] | (octets[:, :, 1] << 4)).view(n, groups, 16)
-    if bits == 5:  # each group's 16 nibble bytes, then its 4 bytes of high bits
+    if bits == 5:  # each group's 4 bytes of high bits, then its 16 nibble bytes
         high = (codes >> 4 & 1).view(n, groups, 4, 2, 4)  # [.., i, half, t]
         shift = (2 * torch.arange(4)[:, None] + torch.arange(2)[None, :])[..., None]
         bits_t = (high.to(torch.int32) << shift).sum(dim=(2, 3)).to(torch.uint8)  # [.., t]
-        return torch.cat((stored, bits_t), dim=2)
-    if bits == 6:  # each group's 16 nibble bytes, then its 8 bytes of high pairs
+        return torch.cat((bits_t, stored), dim=2)
+    if bits == 6:  # per half: its 4 bytes of high pairs, then its 8 nibble bytes
         pairs = (codes >> 4).view(n, k // 16, 4, 4)
         high = pairs[:, :, 0] | pairs[:, :, 1] << 2 | pairs[:, :, 2] << 4 | pairs[:, :, 3] << 6
-        return torch.cat((stored, high.view(n, groups, 8)), dim=2)
+        halves = (high.view(n, groups, 2, 4), stored.view(n, groups, 2, 8))
+        return torch.cat(halves, dim=3).view(n, groups, 24)
     return stored
 
 
 def _six_bit_codes(lanes: torch.Tensor) -> torch.Tensor:
     """6-bit codes q [..., groups * 32] int16 from their groups' lanes [..., groups, 6, 4]:
-    the nibbles, then the high pairs of each 16 k (k = 16h + 4c + j in bits 2c of byte j)."""
-    high = lanes[..., 4:, :].unsqueeze(-2) >> torch.tensor([0, 2, 4, 6])[:, None] & 3
-    return (_nibbles(lanes[..., :4, :]) | high.flatten(-3) << 4).flatten(-2).to(torch.int16)
+    per half of 16 k, its high pairs (k = 16h + 4c + j in bits 2c of byte j), then its two
+    lanes of nibbles."""
+    halves = lanes.unflatten(-2, (2, 3))  # [..., groups, half, 3 lanes, 4]
+    high = halves[..., 0, :].unsqueeze(-2) >> torch.tensor([0, 2, 4, 6])[:, None] & 3
+    low = _nibbles(halves[..., 1:, :].flatten(-3, -2))
+    return (low | high.flatten(-3) << 4).flatten(-2).to(torch.int16)
 
 
 def _nibbles(stored: torch.Tensor) -> torch.Tensor:

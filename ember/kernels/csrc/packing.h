@@ -38,8 +38,18 @@ inline void store_high_bits(const uint8_t* q, uint8_t* out) {
   }
 }
 
-// One channel's stored bytes from its codes (one per value: int8 q for 8 bits, uint8 for 4
-// and 6; see `GroupLinear`).
+// A 6-bit group's 24 stored bytes from its 16 nibble bytes and the 4 pair bytes of each
+// half h (k = 16h + 4c + j in bits 2c of byte j): per half, its pair bytes, then its 8 nibble
+// bytes (lanes 2h and 2h + 1), the order the kernel reads them in (see group_rows).
+inline void store_six_bit_group(const uint8_t* nibbles, const uint8_t* pairs, uint8_t* out) {
+  for (int h = 0; h < 2; ++h) {
+    std::memcpy(out + 12 * h, pairs + 4 * h, 4);
+    std::memcpy(out + 12 * h + 4, nibbles + 8 * h, 8);
+  }
+}
+
+// One channel's stored bytes from its codes (one per value: int8 q for 8 bits, uint8 for 4,
+// 5 and 6; see `GroupLinear`).
 void store_codes(const uint8_t* q, int64_t K, int64_t bits, uint8_t* out) {
   if (bits == 8) {
     for (int64_t k = 0; k < K; ++k) out[k] = q[k] ^ 0x80;  // int8 q + 128
@@ -47,15 +57,21 @@ void store_codes(const uint8_t* q, int64_t K, int64_t bits, uint8_t* out) {
   }
   const int64_t step = bits == 4 ? 16 : bits == 5 ? 20 : 24;  // stored bytes per group of 32
   for (int64_t g = 0; g < K / 32; ++g, q += 32, out += step) {
-    store_nibbles(q, out);
-    if (bits == 5) store_high_bits(q, out + 16);
+    if (bits == 4) store_nibbles(q, out);
+    if (bits == 5) {  // the high bits, then the nibbles
+      store_high_bits(q, out);
+      store_nibbles(q, out + 4);
+    }
     if (bits == 6) {  // the high pairs of each 16 k: k = 16h + 4c + j in bits 2c of byte j
+      uint8_t nibbles[16], pairs[8];
+      store_nibbles(q, nibbles);
       for (int h = 0; h < 2; ++h)
         for (int j = 0; j < 4; ++j) {
           uint8_t b = 0;
           for (int c = 0; c < 4; ++c) b |= ((q[16 * h + 4 * c + j] >> 4) & 3) << (2 * c);
-          out[16 + 4 * h + j] = b;
+          pairs[4 * h + j] = b;
         }
+      store_six_bit_group(nibbles, pairs, out);
     }
   }
 }
@@ -101,7 +117,7 @@ inline void nibble_group(const uint8_t* src, int shift, uint8_t* out) {
 // high pairs, 16 int8 sc, fp16 d) exactly, in super-blocks (d[s * P], m[s * P] per
 // super-block s; Q6_K's codes q in [0, 63] in ggml's dequantizers' order); Q5_0 (fp16 d,
 // 32 high bits, 16 bytes of low nibbles as Q4_0's) exactly, as 5-bit codes q in [0, 31]
-// (value d (q - 16)): Q4_0's nibbles and 4 bytes of high bits (store_high_bits).
+// (value d (q - 16)): 4 bytes of high bits (store_high_bits), then Q4_0's nibbles.
 void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8_t* out,
                   uint16_t* d, uint16_t* m, int64_t P) {
   for (int64_t blk = 0; blk < K / type.values; ++blk) {
@@ -134,14 +150,15 @@ void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8
       std::memcpy(out + blk * 208, b + 192, 16);
       for (int g = 0; g < 8; ++g) {
         const int h = g / 4, s = g % 4;
-        uint8_t* o = out + blk * 208 + 16 + 24 * g;
-        nibble_group(ql + 64 * h + 32 * (s % 2), 4 * (s / 2), o);
+        uint8_t nibbles[16];
+        nibble_group(ql + 64 * h + 32 * (s % 2), 4 * (s / 2), nibbles);
         uint32_t w[8], pairs[2] = {0, 0};
         std::memcpy(w, qh + 32 * h, 32);
         for (int u = 0; u < 2; ++u)
           for (int c = 0; c < 4; ++c)
             pairs[u] |= (w[4 * u + c] >> (2 * s) & 0x03030303u) << (2 * c);
-        std::memcpy(o + 16, pairs, 8);
+        store_six_bit_group(nibbles, reinterpret_cast<const uint8_t*>(pairs),
+                            out + blk * 208 + 16 + 24 * g);
       }
       continue;
     }
@@ -154,8 +171,8 @@ void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8
         const int low = t < 16 ? b[6 + t] & 15 : b[6 + t - 16] >> 4;
         q[t] = static_cast<uint8_t>(low | (qh >> t & 1) << 4);
       }
-      store_nibbles(q, out + 20 * blk);
-      store_high_bits(q, out + 20 * blk + 16);
+      store_high_bits(q, out + 20 * blk);
+      store_nibbles(q, out + 20 * blk + 4);
       continue;
     }
     const int64_t head = type.offsets ? 4 : 2;
