@@ -782,7 +782,7 @@ class GroupLinear(nn.Module):
             codes = _six_bit_codes(stored.unflatten(-2, (-1, 6))) - 32
             scales = _from_panels(self.scales, ids).float()[..., None]
             return (codes.unflatten(-1, (-1, 16)).float() * scales).flatten(-2)
-        if self.bits == 5:  # nibbles, then bit 2i (+1 for k % 8 >= 4) of byte k % 4
+        if self.bits == 5:  # high bits (bit 2i (+1 for k % 8 >= 4) of byte k % 4), nibbles
             lanes = stored.unflatten(-2, (-1, 5))  # [..., groups, 5 lanes, 4]
             low = _nibbles(lanes[..., 1:, :])  # [..., groups, 32]
             k = torch.arange(GROUP_SIZE)
