@@ -38,6 +38,13 @@ inline void store_high_bits(const uint8_t* q, uint8_t* out) {
   }
 }
 
+// A 5-bit group's 20 stored bytes from its 32 codes: the high bits, then the nibbles, the
+// order the kernel reads them in (see group_rows).
+inline void store_five_bit_group(const uint8_t* q, uint8_t* out) {
+  store_high_bits(q, out);
+  store_nibbles(q, out + 4);
+}
+
 // A 6-bit group's 24 stored bytes from its 16 nibble bytes and the 4 pair bytes of each
 // half h (k = 16h + 4c + j in bits 2c of byte j): per half, its pair bytes, then its 8 nibble
 // bytes (lanes 2h and 2h + 1), the order the kernel reads them in (see group_rows).
@@ -58,10 +65,7 @@ void store_codes(const uint8_t* q, int64_t K, int64_t bits, uint8_t* out) {
   const int64_t step = bits == 4 ? 16 : bits == 5 ? 20 : 24;  // stored bytes per group of 32
   for (int64_t g = 0; g < K / 32; ++g, q += 32, out += step) {
     if (bits == 4) store_nibbles(q, out);
-    if (bits == 5) {  // the high bits, then the nibbles
-      store_high_bits(q, out);
-      store_nibbles(q, out + 4);
-    }
+    if (bits == 5) store_five_bit_group(q, out);
     if (bits == 6) {  // the high pairs of each 16 k: k = 16h + 4c + j in bits 2c of byte j
       uint8_t nibbles[16], pairs[8];
       store_nibbles(q, nibbles);
@@ -117,7 +121,7 @@ inline void nibble_group(const uint8_t* src, int shift, uint8_t* out) {
 // high pairs, 16 int8 sc, fp16 d) exactly, in super-blocks (d[s * P], m[s * P] per
 // super-block s; Q6_K's codes q in [0, 63] in ggml's dequantizers' order); Q5_0 (fp16 d,
 // 32 high bits, 16 bytes of low nibbles as Q4_0's) exactly, as 5-bit codes q in [0, 31]
-// (value d (q - 16)): 4 bytes of high bits (store_high_bits), then Q4_0's nibbles.
+// (value d (q - 16)): 4 bytes of high bits, then Q4_0's nibbles (store_five_bit_group).
 void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8_t* out,
                   uint16_t* d, uint16_t* m, int64_t P) {
   for (int64_t blk = 0; blk < K / type.values; ++blk) {
@@ -171,8 +175,7 @@ void store_blocks(const uint8_t* blocks, int64_t K, const BlockType& type, uint8
         const int low = t < 16 ? b[6 + t] & 15 : b[6 + t - 16] >> 4;
         q[t] = static_cast<uint8_t>(low | (qh >> t & 1) << 4);
       }
-      store_high_bits(q, out + 20 * blk);
-      store_nibbles(q, out + 20 * blk + 4);
+      store_five_bit_group(q, out + 20 * blk);
       continue;
     }
     const int64_t head = type.offsets ? 4 : 2;
