@@ -139,8 +139,6 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     """The absolute [start, end) addresses of the bytes `t` reads."""
     size = t.element_size()
     start = t.data_ptr()
-    if t.numel() == 0:
-        return start, start
     extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
     return start, start + extent * size
 
@@ -165,8 +163,11 @@ def save(entry: str | None, model: nn.Module) -> None:
     # Each storage's used bytes, once, at the same offset within a page as in memory.
     ranges: dict[int, list[int]] = {}
     storages: dict[int, torch.UntypedStorage] = {}
-    bases = []
+    bases: list[int | None] = []
     for t in tensors:
+        if t.numel() == 0:  # no bytes (a plain GroupLinear's scales), and maybe no storage
+            bases.append(None)
+            continue
         start, end = _byte_range(t)
         storage = t.untyped_storage()
         base = storage.data_ptr()
@@ -182,7 +183,7 @@ def save(entry: str | None, model: nn.Module) -> None:
         cursor += hi - lo
     table = []
     for t, base in zip(tensors, bases, strict=True):
-        offset = placed[base] + t.data_ptr() - ranges[base][0]
+        offset = 0 if base is None else placed[base] + t.data_ptr() - ranges[base][0]
         param = type(t) is nn.Parameter
         table.append((offset, str(t.dtype), tuple(t.shape), t.stride(), param, t.requires_grad))
     tail = pickle.dumps((table, body.getvalue()), protocol=pickle.HIGHEST_PROTOCOL)

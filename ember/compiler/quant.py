@@ -542,7 +542,11 @@ class GroupLinear(nn.Module):
     16 k of a group as the high pairs of its 16 k in a lane (k = 16h + 4c + j in bits 2c of
     byte j), then its low nibbles the 4-bit way (two lanes); 5-bit codes per group as their
     high bits in one lane (k = 8i + j in bit 2i of byte j, 8i + 4 + j in bit 2i + 1), then
-    their low nibbles: the order the kernel reads them in; super-blocks as 4 lanes
+    their low nibbles: the order the kernel reads them in. Plain groups (not super-blocks)
+    carry their scales as GGUF's blocks do: per group of a panel, its channels' fp16 d (with
+    offsets, then their m; 6-bit, d of each half of 16 k), then its lanes, groups back to
+    back, so `scales` (and `mins`, present for offsets) are empty [P, 0, panel] (one stream:
+    a decode reads its weights in address order). Super-blocks as 4 lanes
     of sub-block scales per channel (Q4_K: sc, then m, group j in byte j % 4 of lane j / 4;
     Q6_K: the 16 int8 sc), then their 8 groups' codes, with d (and dm) in `scales` (`mins`)
     [P, K / 256, panel]. Every step runs
@@ -632,7 +636,7 @@ class GroupLinear(nn.Module):
             )
         self.in_features, self.out_features, self.bits = k, n, bits
         self.super_blocks = super_blocks
-        panels, code_bytes, scale_cols, panel = self._layout(n, k, bits, super_blocks)
+        panels, code_bytes, scale_cols, panel = self._layout(n, k, bits, offsets, super_blocks)
         codes = weight_zeros((panels, code_bytes // 4, panel, 4), torch.uint8)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", weight_zeros((panels, scale_cols, panel), torch.half))
@@ -641,21 +645,24 @@ class GroupLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     @staticmethod
-    def _layout(n: int, k: int, bits: int, super_blocks: bool = False) -> tuple[int, int, int, int]:
+    def _layout(
+        n: int, k: int, bits: int, offsets: bool, super_blocks: bool = False
+    ) -> tuple[int, int, int, int]:
         """(panels, code bytes a row, scale columns, panel width) of an [n, k] weight."""
         panel = kernels.panel_width()
         if super_blocks:  # 16 bytes of sub-block scales, then the 8 groups' codes
             per_super = {4: 144, 6: 208}[bits]
             return -(-n // panel), k // SUPER_BLOCK * per_super, k // SUPER_BLOCK, panel
-        code_bytes = {8: k, 4: k // 2, 5: k // GROUP_SIZE * 20, 6: k // GROUP_SIZE * 24}[bits]
-        return -(-n // panel), code_bytes, k // (16 if bits == 6 else GROUP_SIZE), panel
+        # plain groups: each group's head of scales, then its codes, padded to a whole lane
+        lanes = -(-(k // GROUP_SIZE) * _plain_group_bytes(bits, offsets) // 4)
+        return -(-n // panel), 4 * lanes, 0, panel
 
     @classmethod
     def packed_nbytes(
         cls, n: int, k: int, bits: int, offsets: bool, super_blocks: bool = False
     ) -> int:
         """The bytes of the tensors an [n, k] weight of `bits`-bit codes is packed into."""
-        panels, code_bytes, scale_cols, panel = cls._layout(n, k, bits, super_blocks)
+        panels, code_bytes, scale_cols, panel = cls._layout(n, k, bits, offsets, super_blocks)
         return panels * panel * (code_bytes + scale_cols * 2 * (2 if offsets else 1))
 
     def _pack_rows(
@@ -685,10 +692,10 @@ class GroupLinear(nn.Module):
             )
             return row + n
         if bits == 8:
-            stored = (codes.to(torch.int16) + 128).to(torch.uint8)
+            stored = (codes.to(torch.int16) + 128).to(torch.uint8).view(n, -1, GROUP_SIZE)
         else:
-            stored = _group_bytes(codes, bits).view(n, -1)
-        return self._write_panels(row, stored, scales, mins)
+            stored = _group_bytes(codes, bits)
+        return self._write_plain_panels(row, stored, scales, mins)
 
     def _check_rows(self, row: int, n: int) -> None:
         panel = self.codes.shape[2]
@@ -698,11 +705,31 @@ class GroupLinear(nn.Module):
                 f"{self.out_features} rows"
             )
 
+    def _write_plain_panels(
+        self, row: int, stored: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+    ) -> int:
+        """Rows [row, row + n) of plain groups into the panels (a PyTorch re-layout: the
+        reference of `group_pack_codes`, which writes the same bytes): each group's stored
+        code bytes `stored` [n, K / 32, bytes], its head of scales (6-bit: two a group) and
+        offsets; returns the next row."""
+        n, groups = stored.shape[:2]
+        panels, panel = -(-n // self.codes.shape[2]), self.codes.shape[2]
+        lanes = _quad_panels(stored.reshape(n, -1)).view(panels, groups, -1)
+        heads = scales.view(n, groups, -1)  # [n, groups, 1 or 2]
+        if mins is not None:
+            heads = torch.stack((scales, mins), dim=2)
+        rows = heads.shape[2]
+        heads = _panels(heads.reshape(n, -1).to(torch.float16)).view(panels, groups, rows * panel)
+        both = torch.cat((heads.view(torch.uint8), lanes), dim=2).view(panels, -1)
+        p0 = row // panel
+        self.codes[p0 : p0 + panels].view(panels, -1)[:, : both.shape[1]] = both
+        return row + n
+
     def _write_panels(
         self, row: int, stored: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
     ) -> int:
-        """Rows [row, row + n) of stored bytes [n, lanes * 4] and their scale (and offset)
-        rows into the panels; returns the next row."""
+        """Rows [row, row + n) of super-blocks' stored bytes [n, lanes * 4] and their d (and
+        dm) rows into the panels; returns the next row."""
         n, panel = stored.shape[0], self.codes.shape[2]
         p0, p1 = row // panel, -(-(row + n) // panel)
         self.codes[p0:p1] = _quad_panels(stored)
@@ -775,12 +802,12 @@ class GroupLinear(nn.Module):
         the reference the kernel is tested against)."""
         if isinstance(ids, slice):
             ids = torch.arange(self.out_features)[ids]
-        stored = _from_panels(self.codes, ids)  # [..., K / 4, K / 8 or 6 K / 32, 4]
         if self.super_blocks:
-            return self._super_rows(stored, ids)
+            return self._super_rows(_from_panels(self.codes, ids), ids)
+        stored, heads = self._plain_rows(ids)  # [..., lanes, 4], [..., groups, 1 or 2]
         if self.bits == 6:
             codes = _six_bit_codes(stored.unflatten(-2, (-1, 6))) - 32
-            scales = _from_panels(self.scales, ids).float()[..., None]
+            scales = heads.flatten(-2)[..., None]  # a scale per 16 k
             return (codes.unflatten(-1, (-1, 16)).float() * scales).flatten(-2)
         if self.bits == 5:  # high bits (bit 2i (+1 for k % 8 >= 4) of byte k % 4), nibbles
             lanes = stored.unflatten(-2, (-1, 5))  # [..., groups, 5 lanes, 4]
@@ -792,15 +819,28 @@ class GroupLinear(nn.Module):
             codes = stored.flatten(-2).to(torch.int16) - 128
         else:
             codes = _nibbles(stored)
-        scales = _from_panels(self.scales, ids).float()[..., None]
+        scales = heads[..., :1]
         groups = codes.unflatten(-1, (-1, GROUP_SIZE)).float()
         if self.mins is not None:
-            w = groups * scales + _from_panels(self.mins, ids).float()[..., None]
+            w = groups * scales + heads[..., 1:]
         elif self.bits == 4:
             w = (groups - 8) * scales
         else:
             w = groups * scales
         return w.flatten(-2)
+
+    def _plain_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows `ids` of plain panels: their groups' code lanes [..., lanes, 4] and heads
+        [..., K / 32, 1 or 2] in fp32 (d; with offsets d, m; 6-bit: d of each half)."""
+        panels, _, panel, _ = self.codes.shape
+        groups = self.in_features // GROUP_SIZE
+        rows = 2 if self.bits == 6 or self.mins is not None else 1
+        head, group = 2 * rows * panel, _plain_group_bytes(self.bits, self.mins is not None)
+        flat = self.codes.view(panels, -1)[:, : groups * group * panel].view(panels, groups, -1)
+        heads = flat[..., :head].view(torch.float16).view(panels, groups, rows, panel)
+        lanes = flat[..., head:].view(panels, groups, -1, panel, 4)
+        p, c = ids // panel, ids % panel
+        return lanes[p, :, :, c].flatten(-3, -2), heads[p, :, :, c].float()
 
     def _super_rows(self, stored: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`rows` of super-block panels: stored [..., lanes, 4] of the rows `ids`."""
@@ -824,6 +864,12 @@ class GroupLinear(nn.Module):
         if self.super_blocks:
             kind = {4: "q4_k", 6: "q6_k"}[self.bits] + " super-block"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind} groups"
+
+
+def _plain_group_bytes(bits: int, offsets: bool) -> int:
+    """A plain group's bytes per channel in its panel: its head of fp16 scales (one; two for
+    6-bit codes, or d and m with offsets), then its codes (`ember_cpu`'s plain_group_bytes)."""
+    return 2 * (2 if bits == 6 or offsets else 1) + GROUP_SIZE * bits // 8
 
 
 def _group_bytes(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -392,16 +392,17 @@ def test_group_linear_contract():
     x, codes, scales, mins, b, _, _ = _group_case(5, 45, 64, 4, False)
     linear = GroupLinear(codes, scales, mins, 4, b)
     panel = kernels.panel_width()
+    # plain groups: each group's fp16 d and m (4 bytes a channel), then its codes (16): 10 lanes
     assert (
-        linear.codes.shape == (-(-45 // panel), 8, panel, 4) and linear.codes.dtype == torch.uint8
+        linear.codes.shape == (-(-45 // panel), 10, panel, 4) and linear.codes.dtype == torch.uint8
     )
-    assert linear.scales.shape == (-(-45 // panel), 2, panel)
-    assert GroupLinear(codes.to(torch.int8) - 8, scales, None, 8).codes.shape == (
-        -(-45 // panel),
-        16,
-        panel,
-        4,
-    )
+    assert linear.scales.shape == linear.mins.shape == (-(-45 // panel), 0, panel)  # in the codes
+    q8 = GroupLinear(codes.to(torch.int8) - 8, scales, None, 8)
+    assert q8.codes.shape == (-(-45 // panel), 17, panel, 4)  # (2 + 32) bytes a group
+    q4 = GroupLinear(codes, scales, None, 4)
+    assert q4.codes.shape == (-(-45 // panel), 9, panel, 4)  # (2 + 16) bytes a group
+    w = torch.randn(3, 96)  # three Q4_0 groups: 54 bytes a channel, padded to 14 lanes
+    assert GroupLinear(*quantize_groups(w, 4, True), 4).codes.shape == (1, 14, panel, 4)
     out = linear(x.view(1, 5, 64).bfloat16())
     assert out.shape == (1, 5, 45) and out.dtype == torch.bfloat16  # y in x's dtype
     for rows in (0, 1, 13):
@@ -412,22 +413,29 @@ def test_group_linear_contract():
     with pytest.raises(RuntimeError, match="offsets are for 4-bit"):
         torch.ops.ember_cpu.group_linear(x, linear.codes, linear.scales, linear.scales, b, 45, 8)
     with pytest.raises(RuntimeError, match="features"):
-        torch.ops.ember_cpu.group_linear(x[:, :32], linear.codes, linear.scales, None, b, 45, 4)
+        torch.ops.ember_cpu.group_linear(
+            x[:, :32], linear.codes, linear.scales, linear.mins, b, 45, 4
+        )
+    with pytest.raises(RuntimeError, match="10 lanes a channel are not groups"):  # Q4_1 as Q4_0
+        torch.ops.ember_cpu.group_linear(x, linear.codes, linear.scales, None, b, 45, 4)
     with pytest.raises(ValueError, match="multiple of 32"):
         GroupLinear(codes[:, :40], scales, None, 4)
     six = GroupLinear(codes.to(torch.uint8) * 4, scales.repeat_interleave(2, dim=1), None, 6, b)
-    assert six.codes.shape == (-(-45 // panel), 12, panel, 4)  # 6 bits a weight
-    assert six.scales.shape == (-(-45 // panel), 4, panel)  # a scale per 16
+    assert six.codes.shape == (-(-45 // panel), 14, panel, 4)  # 2 scales and 24 bytes a group
+    assert six.scales.shape == (-(-45 // panel), 0, panel)
     for rows in (0, 1, 13):
         args = (torch.randn(rows, 64), six.codes, six.scales, None, b, 45, 6)
         torch.library.opcheck(torch.ops.ember_cpu.group_linear.default, args)
+    wrong = torch.zeros(six.codes.shape[0], 4, panel, dtype=torch.half)  # plain: scales inline
     with pytest.raises(RuntimeError, match="scales and mins must be"):
-        torch.ops.ember_cpu.group_linear(x, six.codes, linear.scales, None, b, 45, 6)
+        torch.ops.ember_cpu.group_linear(x, six.codes, wrong, None, b, 45, 6)
+    with pytest.raises(RuntimeError, match="lanes a channel are not groups"):
+        torch.ops.ember_cpu.group_linear(x, six.codes[:, :13].clone(), six.scales, None, b, 45, 6)
     with pytest.raises(ValueError, match=r"scales \[45, 4\]"):
         GroupLinear(codes, scales, None, 6)
     five = GroupLinear(codes.to(torch.uint8) * 2, scales, None, 5, b)
-    assert five.codes.shape == (-(-45 // panel), 10, panel, 4)  # 5 bits a weight (Q5_0)
-    assert five.scales.shape == (-(-45 // panel), 2, panel)
+    assert five.codes.shape == (-(-45 // panel), 11, panel, 4)  # (2 + 20) bytes a group (Q5_0)
+    assert five.scales.shape == (-(-45 // panel), 0, panel)
     # quantize_groups: llama.cpp's rules, each weight within half a step of its group's scale
     # (Q4_0 clips the far end of its range, +8 steps: up to one step there).
     w = torch.randn(7, 96)

@@ -13,9 +13,9 @@ namespace {
 // values of GGUF's Q8_0, Q4_0 and Q4_1 blocks exactly. Packed in panels of kPanel output
 // channels with each channel's codes for 4 (8-bit) or 8 (4-bit) consecutive k in one 32-bit
 // lane, the layout integer dot-product instructions read (see ember.compiler.quant.GroupLinear):
-// codes [P, K / 4, kPanel, 4] uint8 holding q + 128 (8-bit), or [P, K / 8, kPanel, 4] uint8
-// whose byte j holds k = 8i + j in its low nibble and 8i + 4 + j in its high one (4-bit); d and
-// m [P, K / kGroup, kPanel] fp16.
+// 8 lanes a group holding q + 128 (8-bit), or 4 whose byte j holds k = 8i + j in its low nibble
+// and 8i + 4 + j in its high one (4-bit), each group's kPanel fp16 d (and m) ahead of its lanes
+// in one uint8 tensor [P, lanes, kPanel, 4] (see plain_head_rows).
 //
 // As llama.cpp does, each row of x is quantized to int8 per group of 32 (scale max|x| / 127) and
 // the products summed in int32: vpdpbusd (AVX512-VNNI / AVX-VNNI: 64 byte products per
@@ -301,12 +301,16 @@ inline void chain(vint& v) { __asm__("" : "+v"(v)); }
 constexpr int kGroupRowBlock = kLanes == 16 ? 6 : 2;
 constexpr int kGroup6RowBlock = 4;
 constexpr int kGroup4RowBlock = kLanes == 16 ? kGroupRowBlock : 4;  // AVX2 only: 4
-// Software prefetch of the code stream, AVX2 builds only. Measured on AMD EPYC (Zen 4), 2 cores,
-// qwen2-0.5b's 96 layer projections at M=1, pass time against a streaming read of as many bytes
-// interleaved in one process (medians over processes): AVX-512 q8_0 0.70 with it, 0.84 without;
-// q4_0 0.80 / 0.91; AVX2 q8_0 0.91 / 0.91, q4_0 0.90 / 0.83. The bf16-pair kernels (AVX-512
-// only) stream without it too: 0.85 with, 0.99 without; the fp32-math panels were even (kept).
-constexpr bool kGroupPrefetch = kLanes == 8;
+// No software prefetch: each thread reads one stream in address order (plain groups' scales
+// in their heads, super-blocks' sub-block scales ahead of their codes), which the hardware
+// prefetchers follow. AVX2 builds prefetched the code stream 4 KiB ahead while the scales of
+// plain groups were a stream of their own; with them inline that was a loss. AMD EPYC (Zen 4),
+// AVX2 build, 3 alternated rounds, Llama-1B-shaped layers at M = 1, ms a pass, with -> without:
+// 1 thread Q8_0 7.82, 7.61, 7.78 -> 5.25, 5.18, 5.46; Q4_0 6.43, 6.51, 5.87 -> 4.92, 5.21, 5.32;
+// Q4_K 6.61, 6.42, 7.01 -> 5.66, 5.86, 6.00; per-channel int8 6.76, 6.65, 6.63 -> 5.27, 5.42,
+// 5.24; 2 threads Q4_0 3.89, 3.86 -> 3.55, 3.70, int8 4.86, 4.62 -> 4.36, 4.12 (in the same
+// memory state). AVX-512 builds had lost with it too (q8_0 0.70 of a streaming read against
+// 0.84 without), as had the bf16-pair kernels (0.85 / 0.99).
 #else
 constexpr int kGroupRowBlock = 4;
 constexpr int kGroup6RowBlock = 4;
@@ -369,16 +373,6 @@ inline void nibble_dots(const int8_t* xg, int64_t K, int64_t i, vint lo0, vint l
 #endif
 
 #ifdef EMBER_SIMD
-// The code stream ahead of the group at q (`kBytes` of it), AVX2 builds (kGroupPrefetch).
-template <int64_t kBytes>
-inline void prefetch_group(const uint8_t* q) {
-  if constexpr (kGroupPrefetch) {
-    const char* ahead = reinterpret_cast<const char*>(q) + kPanelPrefetchBytes;
-#pragma GCC unroll 16
-    for (int64_t l = 0; l < kBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
-  }
-}
-
 // s0/s1[r] = the int32 sums of one group of 8-bit codes (q, stored q + 128) of a panel's two
 // vectors of channels times row r's quantized x (xg + r * rs: quantize_rows with kX8Copies),
 // uncorrected for the offset.
@@ -430,14 +424,38 @@ template <int Bits>
 constexpr int64_t super_lanes() {
   return Bits == 6 ? 52 : 36;
 }
+// ---- Plain groups: their scales in the code stream ----
+//
+// Groups not in super-blocks (Q8_0, Q4_0, Q4_1, Q5_0, and 6-bit codes with a scale per 16 k)
+// carry their fp16 scales in the code stream, as GGUF's blocks do: each group of a panel is
+// its head, `plain_head_rows` rows of kPanel fp16 (d; with offsets d, then m; 6-bit: d of
+// each half of 16 k), then its codes, and a panel is its groups back to back, padded to a
+// whole 32-bit lane per channel. One stream in address order: with the scales in a tensor of
+// their own beside the codes, a register-only loop over 512-byte groups (Q4_0's at AVX-512's
+// panel) read 26 GB/s on one core of an AMD EPYC (Zen 4) with one such side stream and 22
+// with two (Q4_1's), against 33-34.5 with them inline.
+constexpr int64_t plain_head_rows(int64_t bits, bool min) { return bits == 6 || min ? 2 : 1; }
+// A plain group's bytes per channel: its head's, then its codes'.
+constexpr int64_t plain_group_bytes(int64_t bits, bool min) {
+  return 2 * plain_head_rows(bits, min) + kGroup * bits / 8;
+}
+// 32-bit lanes per channel of a plain panel of G groups.
+constexpr int64_t plain_lanes(int64_t G, int64_t bits, bool min) {
+  return (G * plain_group_bytes(bits, min) + 3) / 4;
+}
+// Plain group g's head (its scales) from the start of its panel.
+template <int Bits, bool Min>
+inline const uint16_t* group_head(const uint8_t* pan, int64_t g) {
+  return reinterpret_cast<const uint16_t*>(pan + g * plain_group_bytes(Bits, Min) * kPanel);
+}
 // Group g's codes from the start of its panel.
-template <int Bits, bool Super>
+template <int Bits, bool Min, bool Super>
 constexpr int64_t group_offset(int64_t g) {
   constexpr int64_t kBytes = kGroup * kPanel * Bits / 8;
   if constexpr (Super)
     return (g / kSuperGroups) * super_lanes<Bits>() * 4 * kPanel + 4 * 4 * kPanel +
            (g % kSuperGroups) * kBytes;
-  return g * kBytes;
+  return g * plain_group_bytes(Bits, Min) * kPanel + plain_head_rows(Bits, Min) * 2 * kPanel;
 }
 // The sub-block scale lanes of the super-block holding group g.
 template <int Bits>
@@ -492,7 +510,7 @@ inline uint8_t sub_scale_byte(const uint8_t* pan, int64_t g, int64_t sub, int64_
 
 // Channel j's scale of segment s (6-bit: the half of 16 k) of group g (the scalar path), and
 // (4-bit with offsets) its offset scale.
-template <int Bits, bool Super>
+template <int Bits, bool Min, bool Super>
 inline float group_scale(const uint8_t* pan, const uint16_t* dp, int64_t g, int64_t s,
                          int64_t j) {
   if constexpr (Super) {
@@ -501,15 +519,15 @@ inline float group_scale(const uint8_t* pan, const uint16_t* dp, int64_t g, int6
     const float sc = static_cast<float>(Bits == 6 ? static_cast<int8_t>(b) : b);
     return half_value(dp[(g / kSuperGroups) * kPanel + j]) * sc;
   }
-  return half_value(dp[(g * (Bits == 6 ? 2 : 1) + s) * kPanel + j]);
+  return half_value(group_head<Bits, Min>(pan, g)[s * kPanel + j]);
 }
-template <int Bits, bool Super>
+template <int Bits, bool Min, bool Super>
 inline float group_min(const uint8_t* pan, const uint16_t* mp, int64_t g, int64_t j) {
   if constexpr (Super) {
     const uint8_t m = sub_scale_byte<Bits>(pan, g, kSuperGroups + g % kSuperGroups, j);
     return half_value(mp[(g / kSuperGroups) * kPanel + j]) * static_cast<float>(m);
   }
-  return half_value(mp[g * kPanel + j]);
+  return half_value(group_head<Bits, Min>(pan, g)[kPanel + j]);
 }
 
 // The code of channel j at k in a panel (the scalar path): q for 8-bit codes, the stored
@@ -556,7 +574,6 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
                        int64_t g0, int64_t g1, float* y, int64_t N, int64_t cols, bool first,
                        const float* bi, float* __restrict sup, bool fill) {
   const int64_t G = K / kGroup;
-  constexpr int64_t kBytes = kGroup * kPanel * Bits / 8;  // codes per group of a panel
   constexpr int kXCopies = x_copies<Bits>();
 #ifdef EMBER_SIMD
   constexpr int64_t kVec = kLanes * 4;  // bytes per code vector (kLanes channels)
@@ -571,8 +588,9 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
     a1[r] = first ? vzero() : vload_n(y + r * N + kLanes, c1);
   }
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* q = pan + group_offset<Bits, Super>(g);
-    prefetch_group<kBytes>(q);
+    const uint8_t* q = pan + group_offset<Bits, Min, Super>(g);
+    // plain groups: the scales' rows ahead of the codes (the head)
+    const uint16_t* head = Super ? nullptr : group_head<Bits, Min>(pan, g);
     const int8_t* xg = xq + g * kGroup * kXCopies;
     // super-blocks: the sub-block scales of group g's (super_scales)
     float(*super)[kPanel] = local;
@@ -610,7 +628,7 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
         s0[0] = iadd(s0[0], e0);
         s1[0] = iadd(s1[0], e1);
       }
-      const vfloat d0 = vhalf(dp + g * kPanel), d1 = vhalf(dp + g * kPanel + kLanes);
+      const vfloat d0 = vhalf(head), d1 = vhalf(head + kLanes);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {  // stored q in [0, 31]: the value is d (q - 16)
         const vfloat sx = vset1(dx[r * G + g]);
@@ -648,7 +666,7 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
           d0 = vload(ds);
           d1 = vload(ds + kLanes);
         } else {
-          const uint16_t* dh = dp + (2 * g + h) * kPanel;
+          const uint16_t* dh = head + h * kPanel;
           d0 = vhalf(dh);
           d1 = vhalf(dh + kLanes);
         }
@@ -697,11 +715,11 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
         m1 = vload(super[kSuperGroups + sub] + kLanes);
       }
     } else {
-      d0 = vhalf(dp + g * kPanel);
-      d1 = vhalf(dp + g * kPanel + kLanes);
+      d0 = vhalf(head);
+      d1 = vhalf(head + kLanes);
       if constexpr (Min) {
-        m0 = vhalf(mp + g * kPanel);
-        m1 = vhalf(mp + g * kPanel + kLanes);
+        m0 = vhalf(head + kPanel);
+        m1 = vhalf(head + kPanel + kLanes);
       }
     }
 #pragma GCC unroll 8
@@ -741,10 +759,10 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
     for (int64_t j = 0; j < cols; ++j) {
       float acc = first ? 0.f : y[r * N + j];
       for (int64_t g = g0; g < g1; ++g) {
-        const float m = Min ? group_min<Bits, Super>(pan, mp, g, j) : 0.f;
-        const uint8_t* q = pan + group_offset<Bits, Super>(g);
+        const float m = Min ? group_min<Bits, Min, Super>(pan, mp, g, j) : 0.f;
+        const uint8_t* q = pan + group_offset<Bits, Min, Super>(g);
         for (int64_t s = 0; s < kSegments; ++s) {
-          const float d = group_scale<Bits, Super>(pan, dp, g, s, j);
+          const float d = group_scale<Bits, Min, Super>(pan, dp, g, s, j);
           int32_t dot = 0;
           for (int64_t k = s * kSpan; k < (s + 1) * kSpan; ++k) {
             dot += static_cast<int32_t>(xq[r * K + g * kGroup + k]) *
@@ -779,10 +797,10 @@ void group_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const u
   static constexpr auto kernels =
       group_kernels<Bits, Min, Super>(std::make_index_sequence<static_cast<size_t>(kRows)>());
   const int64_t G = K / kGroup;
-  const int64_t panel_bytes =
-      Super ? G / kSuperGroups * super_lanes<Bits>() * 4 * kPanel : K * kPanel * Bits / 8;
-  // 6-bit: a scale per 16 k; super-blocks: one per 256
-  const int64_t scale_rows = Super ? G / kSuperGroups : Bits == 6 ? 2 * G : G;
+  const int64_t panel_bytes = (Super ? G / kSuperGroups * super_lanes<Bits>()
+                                     : plain_lanes(G, Bits, Min)) * 4 * kPanel;
+  // super-blocks: a row of d (and dm) per 256 k; plain groups have theirs in their heads
+  const int64_t scale_rows = Super ? G / kSuperGroups : 0;
   constexpr int kXCopies = x_copies<Bits>();
   const QuantizedRows xq = quantize_rows(x, M, K, kXCopies);
   for_panel_tasks(
@@ -791,8 +809,8 @@ void group_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const u
         alignas(64) float bi[kPanel];
         for (int64_t j = 0; j < kPanel; ++j) bi[j] = bias && j < cols ? bias[n + j] : 0.f;
         const uint8_t* pan = codes + p * panel_bytes;
-        const uint16_t* dp = d + p * scale_rows * kPanel;
-        const uint16_t* mp = m ? m + p * scale_rows * kPanel : nullptr;
+        const uint16_t* dp = Super ? d + p * scale_rows * kPanel : nullptr;
+        const uint16_t* mp = Super && m ? m + p * scale_rows * kPanel : nullptr;
         // super-blocks: a slice's sub-block scales, filled by its first row block for the rest
         alignas(64) float sup[Super ? kPanelDepth / 256 * 16 : 1][kPanel];
         for (int64_t ga = 0; ga < G; ga += kPanelDepth / kGroup) {
@@ -848,7 +866,6 @@ inline void channel_rows(const int8_t* xq, const float* dx, const int32_t* xs, i
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vzero();
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* q = pan + g * kBytes;
-    prefetch_group<kBytes>(q);
     const int8_t* xg = xq + g * kGroup * kX8Copies;
     vint s0[MR], s1[MR];
     group_dots8<MR>(q, xg, K * kX8Copies, s0, s1);
@@ -945,42 +962,42 @@ at::Tensor int8_dot_linear(const at::Tensor& x_in, const at::Tensor& codes,
   return direct ? y : y.to(x_in.scalar_type());
 }
 
-// y [..., N] = x [..., K] @ w^T (+ bias) for a group-quantized weight (see above): `codes`
-// [P, K / 4, kPanel, 4] (bits 8), [P, K / 8, kPanel, 4] (bits 4), [P, 5 K / 32, kPanel, 4]
-// (bits 5) or [P, 6 K / 32, kPanel, 4] (bits 6) uint8, `scales` [P, K / 32, kPanel] fp16
-// (bits 6: [P, K / 16, kPanel]), `mins` (bits 4, asymmetric; else None) as the scales; or in
-// super-blocks (bits 4 with offsets, or 6): codes [P, 36 K / 256 (bits 6: 52 K / 256),
-// kPanel, 4], scales and mins [P, K / 256, kPanel], told apart by those shapes. x quantized to
-// int8 per group of 32, int32 sums, fp32 scaling; y in x's dtype.
+// y [..., N] = x [..., K] @ w^T (+ bias) for a group-quantized weight (see above): plain
+// groups, `codes` [P, L, kPanel, 4] uint8 with L = plain_lanes(K / 32, bits, offsets): each
+// group's head of fp16 scales (and offsets), then its codes (8-bit: 8 lanes a group, 4-bit: 4,
+// 5-bit: 5, 6-bit: 6); `scales` (and `mins`, given for 4-bit codes with offsets) empty fp16
+// [P, 0, kPanel], saying so. Or super-blocks (bits 4 with offsets, or 6): codes [P, 36 K / 256
+// (bits 6: 52 K / 256), kPanel, 4], scales and mins [P, K / 256, kPanel] fp16; told apart by
+// those shapes. x quantized to int8 per group of 32, int32 sums, fp32 scaling; y in x's dtype.
 at::Tensor group_linear(const at::Tensor& x_in, const at::Tensor& codes,
                         const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                         const std::optional<at::Tensor>& bias, int64_t N, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8,
               "group_linear: bits must be 4, 5, 6 or 8, got ", bits);
-  // 32-bit lanes per group of 32 k: 8 (8-bit), 4 (4-bit), 4 + 1 (5-bit: nibbles, high bits),
-  // 4 + 2 (6-bit: nibbles, high pairs)
-  const int64_t lanes = bits == 8 ? 8 : bits == 6 ? 6 : bits == 5 ? 5 : 4;
   const bool has_min = mins.has_value() && mins->defined();
   TORCH_CHECK(!has_min || bits == 4, "group_linear: offsets are for 4-bit codes only");
+  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == kPanel && codes.size(3) == 4 &&
+                  codes.is_contiguous() && codes.scalar_type() == at::kByte,
+              "group_linear: codes must be a contiguous uint8 [P, lanes, ", kPanel,
+              ", 4] tensor (packed for this CPU ISA)");
   // super-blocks: 36 (4-bit) or 52 (6-bit) lanes per 256 k, one scale row per 256 k
   const int64_t super_lanes_ = bits == 6 ? super_lanes<6>() : super_lanes<4>();
-  const bool super = ((bits == 4 && has_min) || bits == 6) && codes.dim() == 4 &&
-                     scales.dim() == 3 && scales.size(1) * super_lanes_ == codes.size(1);
-  const int64_t unit = super ? super_lanes_ : lanes;
-  TORCH_CHECK(codes.dim() == 4 && codes.size(1) % unit == 0 && codes.size(2) == kPanel &&
-                  codes.size(3) == 4 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
-              "group_linear: codes must be a contiguous uint8 [P, ", unit, " K / ",
-              super ? 256 : 32, ", ", kPanel, ", 4] tensor (packed for this CPU ISA)");
+  const bool super = ((bits == 4 && has_min) || bits == 6) && scales.dim() == 3 &&
+                     scales.size(1) > 0 && scales.size(1) * super_lanes_ == codes.size(1);
+  const int64_t G = super ? codes.size(1) / super_lanes_ * kSuperGroups
+                          : codes.size(1) * 4 / plain_group_bytes(bits, has_min);
+  TORCH_CHECK(G > 0 && (super || plain_lanes(G, bits, has_min) == codes.size(1)),
+              "group_linear: ", codes.size(1), " lanes a channel are not ",
+              super ? "super-blocks" : "groups", " of ", bits, "-bit codes");
   check_out_features(codes, N);
-  const int64_t G = super ? codes.size(1) / unit * kSuperGroups : codes.size(1) / lanes;
   const int64_t K = G * kGroup;
-  const int64_t scale_rows = super ? G / kSuperGroups : bits == 6 ? 2 * G : G;
+  const int64_t scale_rows = super ? G / kSuperGroups : 0;
   for (const at::Tensor* t : {&scales, has_min ? &*mins : &scales}) {
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
                     t->size(0) == codes.size(0) && t->size(1) == scale_rows &&
                     t->size(2) == kPanel,
                 "group_linear: scales and mins must be contiguous fp16 [", codes.size(0), ", ",
-                scale_rows, ", ", kPanel, "]");
+                scale_rows, ", ", kPanel, "]", super ? "" : " (plain groups: in the codes)");
   }
   TORCH_CHECK(x_in.size(-1) == K, "group_linear: x has ", x_in.size(-1), " features, w ", K);
   auto [x, y, M, direct] = float_rows(x_in, K, N);

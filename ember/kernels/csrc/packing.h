@@ -17,6 +17,28 @@ inline void scatter_lanes(uint8_t* codes, int64_t Q, int64_t P, int64_t row,
   for (int64_t j = 0; j < Q; ++j) std::memcpy(panel + j * P, stored + 4 * j, 4);
 }
 
+// Channel `row`'s plain groups (see plain_head_rows) into its panel of codes [P, Q lanes, P, 4]:
+// group g's head, rows of fp16 holding d[g] (6-bit: d[2g], d[2g + 1]; with offsets, then
+// m[g]), then its stored code bytes (`stored`, plain_group_bytes less the head's a group) as
+// lanes.
+inline void scatter_plain(uint8_t* codes, int64_t Q, int64_t P, int64_t row, int64_t G,
+                          int64_t bits, bool min, const uint8_t* stored, const uint16_t* d,
+                          const uint16_t* m) {
+  const int64_t rows = plain_head_rows(bits, min), group = plain_group_bytes(bits, min) * P;
+  const int64_t code_lanes = kGroup * bits / 32, c = row % P;
+  uint8_t* panel = codes + (row / P) * Q * 4 * P;
+  for (int64_t g = 0; g < G; ++g) {
+    uint8_t* head = panel + g * group;
+    for (int64_t h = 0; h < rows; ++h) {
+      const uint16_t v = h == 0 || bits == 6 ? d[g * (bits == 6 ? 2 : 1) + h] : m[g];
+      std::memcpy(head + 2 * (h * P + c), &v, 2);
+    }
+    uint8_t* lanes = head + 2 * rows * P;
+    for (int64_t j = 0; j < code_lanes; ++j)
+      std::memcpy(lanes + 4 * (j * P + c), stored + 4 * (g * code_lanes + j), 4);
+  }
+}
+
 // A group's 32 4-bit codes `q` (one per byte, low nibbles read) as 16 stored bytes: byte
 // 4i + j holds k = 8i + j in its low nibble and 8i + 4 + j in its high one.
 inline void store_nibbles(const uint8_t* q, uint8_t* out) {
@@ -113,7 +135,8 @@ inline void nibble_group(const uint8_t* src, int shift, uint8_t* out) {
   std::memcpy(out, s, 16);
 }
 
-// One channel's stored bytes, fp16 scales d[g * P] (and offsets m[g * P]) from its blocks:
+// One channel's stored bytes, fp16 scales d[g * P] (and offsets m[g * P]; P a stride: the
+// panel width for super-blocks' rows of d, 1 for plain groups' heads) from its blocks:
 // Q8_0 (fp16 d, 32 int8 q), Q4_0 (fp16 d, 16 bytes: q_t in the low nibble of byte t, q_16+t
 // in its high one), Q4_1 (fp16 d and m, then as Q4_0) exactly; Q4_K (fp16 d and dmin, 12
 // bytes of 6-bit sc and m per 32 values, 128 bytes of nibbles: sub-blocks 2i and 2i + 1 in
@@ -207,7 +230,7 @@ void check_group_panels(const at::Tensor& codes, const at::Tensor& scales,
   const int64_t P = codes.size(2);
   TORCH_CHECK(scales.dim() == 3 && scales.size(0) == codes.size(0) && scales.size(2) == P &&
                   scales.scalar_type() == at::kHalf && scales.is_contiguous(),
-              op, ": scales must be contiguous fp16 [P, groups, panel]");
+              op, ": scales must be contiguous fp16 [P, super-blocks (plain groups: 0), panel]");
   TORCH_CHECK(!mins || (mins->sizes() == scales.sizes() && mins->scalar_type() == at::kHalf &&
                         mins->is_contiguous()),
               op, ": mins must be shaped as scales");
@@ -215,8 +238,9 @@ void check_group_panels(const at::Tensor& codes, const at::Tensor& scales,
               ", ", row + n, ") do not start a panel or do not fit the panels");
 }
 
-// Rows [row, row + n) of a `GroupLinear`'s panels from codes q [n, K] (int8 for 8 bits, else
-// uint8), fp16 scales d [n, K / 32] (6 bits: [n, K / 16]) and offsets m (4 bits).
+// Rows [row, row + n) of a `GroupLinear`'s plain panels (see plain_head_rows) from codes q
+// [n, K] (int8 for 8 bits, else uint8), fp16 scales d [n, K / 32] (6 bits: [n, K / 16]) and
+// offsets m (4 bits); the panels' `scales` (and `mins`) are empty [P, 0, panel].
 void group_pack_codes(at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins,
                       int64_t row, const at::Tensor& q_in, const at::Tensor& d_in,
                       const c10::optional<at::Tensor>& m_in, int64_t bits) {
@@ -227,11 +251,13 @@ void group_pack_codes(at::Tensor codes, at::Tensor scales, c10::optional<at::Ten
   TORCH_CHECK(q_in.scalar_type() == (bits == 8 ? at::kChar : at::kByte), op,
               ": codes must be int8 for 8 bits, uint8 for 4, 5 and 6");
   const int64_t Q = codes.size(1), P = codes.size(2), per = bits == 6 ? 16 : 32;
-  TORCH_CHECK(K % 32 == 0 && Q * 4 == K * bits / 8 && scales.size(1) == K / per, op,
-              ": codes [", n, ", ", K, "] do not match the panels");
+  const bool min = mins.has_value();
+  TORCH_CHECK(K % 32 == 0 && K > 0 && Q == plain_lanes(K / 32, bits, min) &&
+                  scales.size(1) == 0,
+              op, ": codes [", n, ", ", K, "] do not match the panels");
   TORCH_CHECK(d_in.sizes() == at::IntArrayRef({n, K / per}) && d_in.scalar_type() == at::kHalf,
               op, ": scales must be fp16 [n, K / ", per, "]");
-  TORCH_CHECK(mins.has_value() == m_in.has_value() &&
+  TORCH_CHECK(min == m_in.has_value() &&
                   (!m_in || (m_in->sizes() == d_in.sizes() && m_in->scalar_type() == at::kHalf)),
               op, ": offsets must be given for offset panels only, shaped as scales");
   const at::Tensor q = q_in.contiguous(), d = d_in.contiguous();
@@ -240,26 +266,21 @@ void group_pack_codes(at::Tensor codes, at::Tensor scales, c10::optional<at::Ten
   const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr());
   const auto* mp = m.defined() ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
   auto* cp = codes.data_ptr<uint8_t>();
-  auto* sp = reinterpret_cast<uint16_t*>(scales.data_ptr());
-  auto* op_m = mins ? reinterpret_cast<uint16_t*>(mins->data_ptr()) : nullptr;
-  const int64_t G = K / per, first = row / P, panels = (n + P - 1) / P;
+  const int64_t G = K / 32, D = K / per, panels = (n + P - 1) / P;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<uint8_t> stored(Q * 4);
+    std::vector<uint8_t> stored(K * bits / 8);
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t r = p * P; r < std::min(n, (p + 1) * P); ++r) {
         store_codes(qp + r * K, K, bits, stored.data());
-        scatter_lanes(cp, Q, P, row + r, stored.data());
-        const int64_t base = (first + p) * G * P + r % P;
-        for (int64_t g = 0; g < G; ++g) {
-          sp[base + g * P] = dp[r * G + g];
-          if (mp) op_m[base + g * P] = mp[r * G + g];
-        }
+        scatter_plain(cp, Q, P, row + r, G, bits, min, stored.data(), dp + r * D,
+                      mp ? mp + r * G : nullptr);
       }
   });
 }
 
 // Rows [row, row + n) of a `GroupLinear`'s panels straight from a GGUF tensor's bytes
-// `blocks` [n, row bytes] of `type` (see `kBlockTypes` and `store_blocks`).
+// `blocks` [n, row bytes] of `type` (see `kBlockTypes` and `store_blocks`): super-blocks, or
+// plain groups with their scales in their heads (scatter_plain).
 void group_pack_blocks(at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins,
                        int64_t row, const at::Tensor& blocks_in, c10::string_view type_name) {
   const char* op = "group_pack_blocks";
@@ -273,29 +294,37 @@ void group_pack_blocks(at::Tensor codes, at::Tensor scales, c10::optional<at::Te
   check_group_panels(codes, scales, mins, row, n, type->bits, op);
   TORCH_CHECK(mins.has_value() == type->offsets, op, ": ", type->name, " panels ",
               type->offsets ? "need" : "have no", " offsets");
-  const int64_t Q = codes.size(1), P = codes.size(2), G = scales.size(1);
-  const int64_t K = G * (type->super_blocks ? 256 : type->bits == 6 ? 16 : 32);
-  const int64_t lane_bytes = type->super_blocks ? K / 256 * (type->bits == 6 ? 208 : 144)
-                                                : K * type->bits / 8;
-  TORCH_CHECK(K % type->values == 0 && blocks_in.size(1) == K / type->values * type->bytes &&
-                  Q * 4 == lane_bytes,
-              op, ": rows of ", blocks_in.size(1), " bytes are not ", K / type->values, " ",
-              type->name, " blocks of ", type->bytes, " bytes");
+  const int64_t Q = codes.size(1), P = codes.size(2), row_bytes = blocks_in.size(1);
+  const int64_t K = row_bytes / type->bytes * type->values, G = K / kGroup;
+  // super-blocks: d (and dm) per 256 k in `scales` (`mins`); plain groups: in their heads
+  const bool fits =
+      type->super_blocks
+          ? scales.size(1) == K / 256 && Q * 4 == K / 256 * (type->bits == 6 ? 208 : 144)
+          : scales.size(1) == 0 && Q == plain_lanes(G, type->bits, type->offsets);
+  TORCH_CHECK(K > 0 && row_bytes % type->bytes == 0 && fits, op, ": rows of ", row_bytes,
+              " bytes are not whole ", type->name, " blocks of ", type->bytes,
+              " bytes filling these panels");
   const at::Tensor blocks = blocks_in.contiguous();
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  const int64_t row_bytes = blocks.size(1);
   auto* cp = codes.data_ptr<uint8_t>();
   auto* sp = reinterpret_cast<uint16_t*>(scales.data_ptr());
   auto* mp = mins ? reinterpret_cast<uint16_t*>(mins->data_ptr()) : nullptr;
-  const int64_t first = row / P, panels = (n + P - 1) / P;
+  const int64_t first = row / P, panels = (n + P - 1) / P, S = K / 256;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<uint8_t> stored(Q * 4);
+    std::vector<uint8_t> stored(type->super_blocks ? Q * 4 : K * type->bits / 8);
+    std::vector<uint16_t> d(G), m(G);  // plain groups' scales and offsets
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t r = p * P; r < std::min(n, (p + 1) * P); ++r) {
-        const int64_t base = (first + p) * G * P + r % P;
-        store_blocks(bp + r * row_bytes, K, *type, stored.data(), sp + base,
-                     mp ? mp + base : nullptr, P);
-        scatter_lanes(cp, Q, P, row + r, stored.data());
+        const uint8_t* src = bp + r * row_bytes;
+        if (type->super_blocks) {
+          const int64_t base = (first + p) * S * P + r % P;
+          store_blocks(src, K, *type, stored.data(), sp + base, mp ? mp + base : nullptr, P);
+          scatter_lanes(cp, Q, P, row + r, stored.data());
+        } else {
+          store_blocks(src, K, *type, stored.data(), d.data(), m.data(), 1);
+          scatter_plain(cp, Q, P, row + r, G, type->bits, type->offsets, stored.data(),
+                        d.data(), m.data());
+        }
       }
   });
 }
