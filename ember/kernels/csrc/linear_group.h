@@ -301,16 +301,21 @@ inline void chain(vint& v) { __asm__("" : "+v"(v)); }
 constexpr int kGroupRowBlock = kLanes == 16 ? 6 : 2;
 constexpr int kGroup6RowBlock = 4;
 constexpr int kGroup4RowBlock = kLanes == 16 ? kGroupRowBlock : 4;  // AVX2 only: 4
-// No software prefetch: each thread reads one stream in address order (plain groups' scales
-// in their heads, super-blocks' sub-block scales ahead of their codes), which the hardware
-// prefetchers follow. AVX2 builds prefetched the code stream 4 KiB ahead while the scales of
-// plain groups were a stream of their own; with them inline that was a loss. AMD EPYC (Zen 4),
-// AVX2 build, 3 alternated rounds, Llama-1B-shaped layers at M = 1, ms a pass, with -> without:
-// 1 thread Q8_0 7.82, 7.61, 7.78 -> 5.25, 5.18, 5.46; Q4_0 6.43, 6.51, 5.87 -> 4.92, 5.21, 5.32;
-// Q4_K 6.61, 6.42, 7.01 -> 5.66, 5.86, 6.00; per-channel int8 6.76, 6.65, 6.63 -> 5.27, 5.42,
-// 5.24; 2 threads Q4_0 3.89, 3.86 -> 3.55, 3.70, int8 4.86, 4.62 -> 4.36, 4.12 (in the same
-// memory state). AVX-512 builds had lost with it too (q8_0 0.70 of a streaming read against
-// 0.84 without), as had the bf16-pair kernels (0.85 / 0.99).
+// Software prefetch of the code stream, for blocks of more than one row only. A single row (a
+// decode) reads one stream in address order (plain groups' scales in their heads, super-blocks'
+// sub-block scales ahead of their codes), which the hardware prefetchers follow: prefetching it
+// 4 KiB ahead lost once the plain groups' scales were inline (AVX2 builds had prefetched at
+// every M; AVX-512 ones never). AMD EPYC (Zen 4), 3 alternated rounds, Llama-1B-shaped layers
+// at M = 1, AVX2 build, ms a pass, with -> without: 1 thread Q8_0 7.82, 7.61, 7.78 -> 5.25,
+// 5.18, 5.46; Q4_0 6.43, 6.51, 5.87 -> 4.92, 5.21, 5.32; Q4_K 6.61, 6.42, 7.01 -> 5.66, 5.86,
+// 6.00; per-channel int8 6.76, 6.65, 6.63 -> 5.27, 5.42, 5.24. Blocks of rows do more work per
+// byte, and the hardware prefetcher falls behind them: GMAC/s, 2 threads, without -> with,
+// AVX2 build at M = 8: Llama-1B's gate/up as Q4_K 102, 104, 141 -> 157, 124, 167, its down as
+// Q6_K 65, 68, 88 -> 106, 83, 125; AVX-512 build at M = 4: gate/up 90, 92, 83 -> 136, 164, 123,
+// down 57, 82, 72 -> 161, 140, 145 (bandwidth: 33 GB/s), a 4096 x 4096 Q5_0 105, 96, 84 -> 159,
+// 159, 181; at M = 8: gate/up 139, 114, 109 -> 207, 236, 210, down 92, 77, 71 -> 143, 172, 139.
+template <int MR>
+constexpr bool kGroupPrefetch = MR > 1;
 #else
 constexpr int kGroupRowBlock = 4;
 constexpr int kGroup6RowBlock = 4;
@@ -373,6 +378,16 @@ inline void nibble_dots(const int8_t* xg, int64_t K, int64_t i, vint lo0, vint l
 #endif
 
 #ifdef EMBER_SIMD
+// The code stream ahead of the group at q (`kBytes` of it), where kGroupPrefetch<MR>.
+template <int64_t kBytes, int MR>
+inline void prefetch_group(const uint8_t* q) {
+  if constexpr (kGroupPrefetch<MR>) {
+    const char* ahead = reinterpret_cast<const char*>(q) + kPanelPrefetchBytes;
+#pragma GCC unroll 16
+    for (int64_t l = 0; l < kBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+  }
+}
+
 // s0/s1[r] = the int32 sums of one group of 8-bit codes (q, stored q + 128) of a panel's two
 // vectors of channels times row r's quantized x (xg + r * rs: quantize_rows with kX8Copies),
 // uncorrected for the offset.
@@ -591,6 +606,12 @@ inline void group_rows(const int8_t* xq, const float* dx, const int32_t* xs, con
     const uint8_t* q = pan + group_offset<Bits, Min, Super>(g);
     // plain groups: the scales' rows ahead of the codes (the head)
     const uint16_t* head = Super ? nullptr : group_head<Bits, Min>(pan, g);
+    if constexpr (Super) {
+      prefetch_group<kGroup * kPanel * Bits / 8, MR>(q);
+    } else {
+      prefetch_group<plain_group_bytes(Bits, Min) * kPanel, MR>(
+          reinterpret_cast<const uint8_t*>(head));
+    }
     const int8_t* xg = xq + g * kGroup * kXCopies;
     // super-blocks: the sub-block scales of group g's (super_scales)
     float(*super)[kPanel] = local;
@@ -866,6 +887,7 @@ inline void channel_rows(const int8_t* xq, const float* dx, const int32_t* xs, i
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vzero();
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* q = pan + g * kBytes;
+    prefetch_group<kBytes, MR>(q);
     const int8_t* xg = xq + g * kGroup * kX8Copies;
     vint s0[MR], s1[MR];
     group_dots8<MR>(q, xg, K * kX8Copies, s0, s1);
