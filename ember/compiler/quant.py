@@ -715,7 +715,7 @@ class GroupLinear(nn.Module):
         n, groups = stored.shape[:2]
         panels, panel = -(-n // self.codes.shape[2]), self.codes.shape[2]
         lanes = _quad_panels(stored.reshape(n, -1)).view(panels, groups, -1)
-        heads = scales.view(n, groups, -1)  # [n, groups, 1 or 2]
+        heads = scales.reshape(n, groups, -1)  # [n, groups, 1 or 2]
         if mins is not None:
             heads = torch.stack((scales, mins), dim=2)
         rows = heads.shape[2]

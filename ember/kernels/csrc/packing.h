@@ -17,7 +17,7 @@ inline void scatter_lanes(uint8_t* codes, int64_t Q, int64_t P, int64_t row,
   for (int64_t j = 0; j < Q; ++j) std::memcpy(panel + j * P, stored + 4 * j, 4);
 }
 
-// Channel `row`'s plain groups (see plain_head_rows) into its panel of codes [P, Q lanes, P, 4]:
+// Channel `row`'s plain groups (see plain_head_rows) into its panel of codes [panels, Q, P, 4]:
 // group g's head, rows of fp16 holding d[g] (6-bit: d[2g], d[2g + 1]; with offsets, then
 // m[g]), then its stored code bytes (`stored`, plain_group_bytes less the head's a group) as
 // lanes.
