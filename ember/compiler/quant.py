@@ -837,10 +837,12 @@ class GroupLinear(nn.Module):
         rows = 2 if self.bits == 6 or self.mins is not None else 1
         head, group = 2 * rows * panel, _plain_group_bytes(self.bits, self.mins is not None)
         flat = self.codes.view(panels, -1)[:, : groups * group * panel].view(panels, groups, -1)
-        heads = flat[..., :head].view(torch.float16).view(panels, groups, rows, panel)
-        lanes = flat[..., head:].view(panels, groups, -1, panel, 4)
         p, c = ids // panel, ids % panel
-        return lanes[p, :, :, c].flatten(-3, -2), heads[p, :, :, c].float()
+        # the rows' bytes gathered first, then read as fp16 (a bitcast of the whole table's
+        # heads was a copy of them every step once compiled)
+        heads = flat[..., :head].view(panels, groups, rows, panel, 2)[p, :, :, c]
+        lanes = flat[..., head:].view(panels, groups, -1, panel, 4)[p, :, :, c]
+        return lanes.flatten(-3, -2), heads.contiguous().view(torch.float16)[..., 0].float()
 
     def _super_rows(self, stored: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`rows` of super-block panels: stored [..., lanes, 4] of the rows `ids`."""
