@@ -35,9 +35,10 @@ sums, y rounded to bf16 once): twice the fp32 FMA's multiply-adds per instructio
 `ember_cpu::group_linear(x, codes, scales, mins?, bias?, out_features, bits)`: group-quantized
 weights (GGUF's Q8_0, Q4_0 and Q4_1 blocks; `quantization="int4"`): 8- or 4-bit codes in groups
 of 32 k with fp16 scales (and offsets), in panels of output channels with each channel's 4 or 8
-consecutive k in one 32-bit lane; x is quantized to int8 per group of 32 and the products are
-summed in int32 (VNNI / vpmaddubsw); see `ember.compiler.quant.GroupLinear`. fp16 weights
-(GGUF's F16 tensors) pack as bf16 ones do and are widened exactly.
+consecutive k in one 32-bit lane, each group's scales ahead of its codes (`scales`/`mins` then
+empty; super-blocks keep theirs per 256 k there); x is quantized to int8 per group of 32 and
+the products are summed in int32 (VNNI / vpmaddubsw); see `ember.compiler.quant.GroupLinear`.
+fp16 weights (GGUF's F16 tensors) pack as bf16 ones do and are widened exactly.
 `ember_cpu::group_pack_codes(codes!, scales!, mins!?, row, q, d, m?, bits)` and
 `ember_cpu::group_pack_blocks(codes!, scales!, mins!?, row, blocks, type)` fill those panels
 at load, from rows of codes or straight from a GGUF tensor's bytes (Q8_0, Q4_0, Q4_1, Q5_0,
