@@ -834,8 +834,9 @@ class GroupLinear(nn.Module):
         [..., K / 32, 1 or 2] in fp32 (d; with offsets d, m; 6-bit: d of each half)."""
         panels, _, panel, _ = self.codes.shape
         groups = self.in_features // GROUP_SIZE
-        rows = 2 if self.bits == 6 or self.mins is not None else 1
-        head, group = 2 * rows * panel, _plain_group_bytes(self.bits, self.mins is not None)
+        offsets = self.mins is not None
+        rows = _plain_head_rows(self.bits, offsets)
+        head, group = 2 * rows * panel, _plain_group_bytes(self.bits, offsets)
         flat = self.codes.view(panels, -1)[:, : groups * group * panel].view(panels, groups, -1)
         p, c = ids // panel, ids % panel
         # the rows' bytes gathered first, then read as fp16 (a bitcast of the whole table's
@@ -868,10 +869,16 @@ class GroupLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind} groups"
 
 
+def _plain_head_rows(bits: int, offsets: bool) -> int:
+    """fp16 values per channel in a plain group's head: d; two for 6-bit codes (d of each
+    half), or d and m with offsets (`ember_cpu`'s plain_head_rows)."""
+    return 2 if bits == 6 or offsets else 1
+
+
 def _plain_group_bytes(bits: int, offsets: bool) -> int:
-    """A plain group's bytes per channel in its panel: its head of fp16 scales (one; two for
-    6-bit codes, or d and m with offsets), then its codes (`ember_cpu`'s plain_group_bytes)."""
-    return 2 * (2 if bits == 6 or offsets else 1) + GROUP_SIZE * bits // 8
+    """A plain group's bytes per channel in its panel: its head of fp16 scales, then its
+    codes (`ember_cpu`'s plain_group_bytes)."""
+    return 2 * _plain_head_rows(bits, offsets) + GROUP_SIZE * bits // 8
 
 
 def _group_bytes(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -312,7 +312,7 @@ void group_pack_blocks(at::Tensor codes, at::Tensor scales, c10::optional<at::Te
   const int64_t first = row / P, panels = (n + P - 1) / P, S = K / 256;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<uint8_t> stored(type->super_blocks ? Q * 4 : K * type->bits / 8);
-    std::vector<uint16_t> d(G), m(G);  // plain groups' scales and offsets
+    std::vector<uint16_t> d(type->super_blocks ? 0 : G), m(d.size());  // plain groups' d, m
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t r = p * P; r < std::min(n, (p + 1) * P); ++r) {
         const uint8_t* src = bp + r * row_bytes;
