@@ -71,6 +71,63 @@ inline void vstore_n(float* p, vfloat v, int64_t n) { _mm256_maskstore_ps(p, lan
 #define EMBER_SIMD 1
 #endif
 
+#ifdef EMBER_SIMD
+// The 2 * kLanes consecutive weights at p, widened to fp32 as two vectors. `kPairOrder<W>`
+// false: lo holds weights 0..kLanes-1 and hi the rest. True (bf16): one load and two unpacks
+// against zero (no shifts), which leave the halves interleaved by 128-bit lane (lo: 0-3, 8-11,
+// ...; hi: 4-7, 12-15, ...); `vunpair` takes such a pair to the weights' order and `vpair` back,
+// once per block of accumulators. One 32-byte load and 2 shuffles per 16 weights on AVX2,
+// against 2 loads, 2 zero-extends and 2 shifts. AMD EPYC (Zen 4), 1 thread, a 1024 x 2048
+// bf16 panel weight from L3, M = 1: 44.0-46.9 -> 50.0-50.4 GB/s (AVX2), 43 -> 65 GFLOP/s
+// (AVX-512 without AVX512-BF16); from memory, Llama-1B's layer shapes: 1.03-1.06x (AVX2, the
+// prefetch off in both), 1.02-1.05x (AVX-512).
+template <typename W>
+constexpr bool kPairOrder = false;
+template <typename W>
+inline void vwiden_pair(const W* p, vfloat& lo, vfloat& hi) {
+  lo = vwiden(p);
+  hi = vwiden(p + kLanes);
+}
+template <>
+constexpr bool kPairOrder<c10::BFloat16> = true;
+#if defined(__AVX512F__)
+template <>
+inline void vwiden_pair(const c10::BFloat16* p, vfloat& lo, vfloat& hi) {
+  const __m512i v = _mm512_loadu_si512(p), z = _mm512_setzero_si512();
+  lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, v));
+  hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, v));
+}
+inline void vunpair(vfloat& lo, vfloat& hi) {
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const vfloat a = _mm512_permutex2var_ps(lo, i0, hi), b = _mm512_permutex2var_ps(lo, i1, hi);
+  lo = a;
+  hi = b;
+}
+inline void vpair(vfloat& lo, vfloat& hi) {
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i i1 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const vfloat a = _mm512_permutex2var_ps(lo, i0, hi), b = _mm512_permutex2var_ps(lo, i1, hi);
+  lo = a;
+  hi = b;
+}
+#else
+template <>
+inline void vwiden_pair(const c10::BFloat16* p, vfloat& lo, vfloat& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i z = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+}
+inline void vunpair(vfloat& lo, vfloat& hi) {  // its own inverse with 8 lanes
+  const vfloat a = _mm256_permute2f128_ps(lo, hi, 0x20), b = _mm256_permute2f128_ps(lo, hi, 0x31);
+  lo = a;
+  hi = b;
+}
+inline void vpair(vfloat& lo, vfloat& hi) { vunpair(lo, hi); }
+#endif
+#endif
+
 #if defined(__AVX512F__)
 inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
