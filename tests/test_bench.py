@@ -140,3 +140,26 @@ def test_run_ember_child_runs_a_workload_in_a_fresh_process(checkpoint_dir):
     assert out["tiny"]["out_tok_s"] > 0
     with pytest.raises(RuntimeError, match="max_model_len"):
         bench.run_ember_child(d, 1, [tiny], **{**engine, "max_model_len": -1})
+
+
+def test_alternate_mirrors_the_order_and_takes_each_engines_medians():
+    calls: list[str] = []
+
+    def engine(name: str, tpots: list[float]):
+        def run() -> dict:
+            calls.append(name)
+            tpot = tpots[sum(c == name for c in calls) - 1]
+            return {
+                "lat": {"ttft_ms": 10 * tpot, "tpot_ms": tpot},
+                "thru": {"out_tok_s": 1 / tpot},
+                "kv": name,
+            }
+
+        return run
+
+    a, b = bench.alternate([engine("a", [3.0, 1.0, 2.0]), engine("b", [5.0, 9.0, 4.0])], 3)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert a["lat"] == {"ttft_ms": 20.0, "tpot_ms": 2.0} and a["thru"]["out_tok_s"] == 0.5
+    assert b["lat"]["tpot_ms"] == 5.0 and b["kv"] == "b"
+    assert [r["lat"]["tpot_ms"] for r in a["runs"]] == [3.0, 1.0, 2.0]
+    assert bench.tpots(b) == "5.00, 9.00, 4.00"

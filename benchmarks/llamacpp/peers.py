@@ -6,12 +6,16 @@ llama.cpp (its own benchmark tools, 2 threads):
 - TTFT: `llama-bench -p 128 -n 0`, 128 / (prompt tokens/s);
 - TPOT: `llama-bench -p 0 -n 128 -d 128`, 1 / (generated tokens/s) at a 128-token depth;
 - W-THRU: `llama-batched-bench -npp 128 -ntg 128 -npl 32`, 4096 / T (its whole batch's time).
-ember: `run_ember` (what `ember bench --workload lat|thru` runs) in a child process per file
-and ISA, compiled, from the compile cache and weights cache warm-ups of an earlier run
-(`--warmup` runs one first).
+ember: `run_ember` (what `ember bench --workload lat|thru` runs) in a child process per run
+(each loads from the compile and weights caches, which the warm-ups of an earlier run fill;
+`--warmup` runs one first).
 
-For each file the engines run back to back (ember, then llama.cpp), so drift between files
-does not enter a ratio. `--cpu-isa avx2`: ember with AVX2 forced (`EMBER_CPU_ISA`'s switch
+For each file the engines' runs alternate (ember, llama.cpp, llama.cpp, ember, ...:
+`ember.tools.bench.alternate`), one repeat each (an ember child, one run of each llama.cpp
+tool), and each figure is the median of its engine's runs: this VM's memory bandwidth drifts
+within minutes, and blocks of one engine's runs measured the drift too.
+
+`--cpu-isa avx2`: ember with AVX2 forced (`EMBER_CPU_ISA`'s switch
 for the whole process) against the llama.cpp build in `--llama-cpp` (build it with
 LLAMACPP_AVX2_ONLY=1 for that).
 
@@ -22,6 +26,7 @@ usage: python benchmarks/llamacpp/peers.py --llama-cpp BIN_DIR FILE.gguf [FILE.g
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -66,6 +71,7 @@ def llamacpp_run(bin_dir: str, path: str, repeats: int) -> dict:
 
 def main() -> None:
     from ember.host import cpu_description
+    from ember.tools.bench import alternate, tpots
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("files", nargs="+")
@@ -86,8 +92,13 @@ def main() -> None:
     for path in args.files:
         if args.warmup:
             ember_run(path, args.cpu_isa, 1)  # both workloads: their graphs compile here
-        e = ember_run(path, args.cpu_isa, args.repeats)
-        c = llamacpp_run(args.llama_cpp, path, args.repeats)
+        e, c = alternate(
+            [
+                functools.partial(ember_run, path, args.cpu_isa, 1),
+                functools.partial(llamacpp_run, args.llama_cpp, path, 1),
+            ],
+            args.repeats,
+        )
         print(
             f"| {os.path.basename(path)} "
             f"| {c['lat']['ttft_ms']:.1f} | {e['lat']['ttft_ms']:.1f} "
@@ -98,6 +109,7 @@ def main() -> None:
             f"| {e['thru']['out_tok_s'] / c['thru']['out_tok_s']:.2f} |",
             flush=True,
         )
+        print(f"  TPOT ms by run, ember / llama.cpp: {tpots(e)} / {tpots(c)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ OpenVINO: `../shared/peers/openvino-venv.sh` builds its venv; this exports the I
 `optimum-cli export openvino --weight-format fp16|int8` (once, next to the checkpoint) and runs
 `../shared/peers/ov_bench.py` on them (ContinuousBatchingPipeline, 2 threads, the CPU plugin's
 defaults: its KV-cache and inference precisions are printed). ember: `run_ember`, in a child
-process per engine, compiled (a warm-up run first fills the compile and weights caches).
+process per run, compiled (a warm-up run first fills the compile and weights caches). The two
+engines' runs alternate (`ember.tools.bench.alternate`); each figure is the median of its
+engine's runs.
 
 `--cpu-isa avx2`: both as on an AVX2-only CPU: ember with `cpu_isa="avx2"` (its AVX2 kernels,
 ATen and oneDNN capped), OpenVINO with oneDNN capped at AVX2 and f32 math (its default there).
@@ -19,6 +21,7 @@ usage: python benchmarks/peers/openvino.py CHECKPOINT_DIR [--ov-venv ~/.cache/pe
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -45,7 +48,9 @@ def ember_run(path: str, dtype: str, isa: str, repeats: int) -> dict:
     return run_ember_child(path, repeats, cpu_isa=isa, dtype=dtype)
 
 
-def openvino_run(venv: str, peers: str, ir: str, isa: str, repeats: int) -> dict:
+def openvino_run(venv: str, peers: str, ir: str, isa: str) -> dict:
+    """One ov_bench.py process on `ir`: {"lat": {ttft_ms, tpot_ms}, "thru": {out_tok_s}, "kv",
+    "math"}."""
     env, cmd = dict(os.environ), [f"{venv}/bin/python", f"{peers}/ov_bench.py", ir]
     if isa == "avx2":
         # An AVX2-only CPU's defaults: oneDNN capped at AVX2 (OV_CPU_MAX_ISA caps the plugin's
@@ -54,21 +59,14 @@ def openvino_run(venv: str, peers: str, ir: str, isa: str, repeats: int) -> dict
         env.update(ONEDNN_MAX_CPU_ISA="AVX2", OV_CPU_MAX_ISA="AVX2")
         props = {"INFERENCE_PRECISION_HINT": "f32"}
         cmd = [cmd[0], "-c", _OV_WITH_PROPERTIES, json.dumps(props)] + cmd[1:]
-    runs = []
-    for _ in range(repeats):
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
-        run = json.loads(out.strip().splitlines()[-1])
-        if isa == "avx2":
-            run["inference_precision"] = "f32"  # ov_bench prints a fresh Core's default
-        runs.append(run)
-    runs.sort(key=lambda r: r["thru"])
-    mid = runs[len(runs) // 2]
-    lat = sorted(runs, key=lambda r: r["tpot"])[len(runs) // 2]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
+    run = json.loads(out.strip().splitlines()[-1])
     return {
-        "lat": {"ttft_ms": lat["ttft"] * 1e3, "tpot_ms": lat["tpot"] * 1e3},
-        "thru": {"out_tok_s": mid["thru"]},
-        "kv": mid["kv_cache_precision"],
-        "math": mid["inference_precision"],
+        "lat": {"ttft_ms": run["ttft"] * 1e3, "tpot_ms": run["tpot"] * 1e3},
+        "thru": {"out_tok_s": run["thru"]},
+        "kv": run["kv_cache_precision"],
+        # ov_bench prints a fresh Core's default, not the f32 given to its pipeline here
+        "math": "f32" if isa == "avx2" else run["inference_precision"],
     }
 
 
@@ -85,6 +83,7 @@ def export(venv: str, checkpoint: str, weight_format: str) -> str:
 
 def main() -> None:
     from ember.host import cpu_description
+    from ember.tools.bench import alternate, tpots
 
     here = os.path.dirname(os.path.abspath(__file__))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -109,8 +108,13 @@ def main() -> None:
         dtype = _EMBER_DTYPE[weight_format]
         ir = export(args.ov_venv, args.checkpoint, weight_format)
         ember_run(args.checkpoint, dtype, args.cpu_isa, 1)  # warm-up: compile, weights caches
-        e = ember_run(args.checkpoint, dtype, args.cpu_isa, args.repeats)
-        o = openvino_run(args.ov_venv, args.peers, ir, args.cpu_isa, args.repeats)
+        e, o = alternate(
+            [
+                functools.partial(ember_run, args.checkpoint, dtype, args.cpu_isa, 1),
+                functools.partial(openvino_run, args.ov_venv, args.peers, ir, args.cpu_isa),
+            ],
+            args.repeats,
+        )
         print(
             f"| {weight_format} IR / ember dtype={dtype} "
             f"| {o['lat']['ttft_ms']:.1f} | {e['lat']['ttft_ms']:.1f} "
@@ -122,6 +126,7 @@ def main() -> None:
             f"| {o['kv']} ({o['math']} math) / {e['kv']} |",
             flush=True,
         )
+        print(f"  TPOT ms by run, ember / OpenVINO: {tpots(e)} / {tpots(o)}", flush=True)
 
 
 if __name__ == "__main__":

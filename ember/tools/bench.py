@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,6 +170,32 @@ def run_ember_child(
     if child.returncode != 0:
         raise RuntimeError(f"ember on {model}: {child.stderr[-2000:]}")
     return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def alternate(engines: Sequence[Callable[[], dict[str, Any]]], repeats: int) -> list[dict]:
+    """Peer benchmarks: `repeats` runs of each engine, alternated and mirrored (A B, B A, A B,
+    ...), each run a dict {"lat": {ttft_ms, tpot_ms}, "thru": {out_tok_s}, ...}; returns one
+    such dict per engine, each figure the median of its runs (other keys from the first run),
+    with "runs": the runs in order. On the VMs ember is measured on, memory bandwidth drifts by
+    tens of percent within minutes; one engine's runs back to back, then the other's, measured
+    that drift as much as the engines."""
+    runs: list[list[dict]] = [[] for _ in engines]
+    for r in range(repeats):
+        order = range(len(engines)) if r % 2 == 0 else reversed(range(len(engines)))
+        for i in order:
+            runs[i].append(engines[i]())
+    out = []
+    for own in runs:
+        med = {**own[0], "runs": own}
+        for part in ("lat", "thru"):
+            med[part] = {k: statistics.median(r[part][k] for r in own) for k in own[0][part]}
+        out.append(med)
+    return out
+
+
+def tpots(engine: dict) -> str:
+    """An `alternate` result's TPOT of each run, in order ("12.34, 12.56")."""
+    return ", ".join(f"{run['lat']['tpot_ms']:.2f}" for run in engine["runs"])
 
 
 def run_hf(
