@@ -79,8 +79,8 @@ inline void vstore_n(float* p, vfloat v, int64_t n) { _mm256_maskstore_ps(p, lan
 // once per block of accumulators. One 32-byte load and 2 shuffles per 16 weights on AVX2,
 // against 2 loads, 2 zero-extends and 2 shifts. AMD EPYC (Zen 4), 1 thread, a 1024 x 2048
 // bf16 panel weight from L3, M = 1: 44.0-46.9 -> 50.0-50.4 GB/s (AVX2), 43 -> 65 GFLOP/s
-// (AVX-512 without AVX512-BF16); from memory, Llama-1B's layer shapes: 1.03-1.06x (AVX2, the
-// prefetch off in both), 1.02-1.05x (AVX-512).
+// (AVX-512 without AVX512-BF16); from memory, Llama-1B's layer shapes: 1.04-1.06x (AVX2, the
+// prefetch off in both), 1.01-1.05x (AVX-512).
 template <typename W>
 constexpr bool kPairOrder = false;
 template <typename W>
@@ -99,14 +99,17 @@ inline void vwiden_pair(const c10::BFloat16* p, vfloat& lo, vfloat& hi) {
 }
 inline void vunpair(vfloat& lo, vfloat& hi) {
   const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512i i1 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   const vfloat a = _mm512_permutex2var_ps(lo, i0, hi), b = _mm512_permutex2var_ps(lo, i1, hi);
   lo = a;
   hi = b;
 }
 inline void vpair(vfloat& lo, vfloat& hi) {
-  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i i1 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512i i0 =
+      _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i i1 =
+      _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   const vfloat a = _mm512_permutex2var_ps(lo, i0, hi), b = _mm512_permutex2var_ps(lo, i1, hi);
   lo = a;
   hi = b;
