@@ -30,42 +30,36 @@ import functools
 import json
 import os
 import re
-import statistics
 import subprocess
 
 
-def ember_run(path: str, isa: str, repeats: int, workloads: str = "lat,thru") -> dict:
+def ember_run(path: str, isa: str) -> dict:
+    """One run of both workloads in a fresh ember child."""
     from ember.tools.bench import run_ember_child
 
-    return run_ember_child(path, repeats, workloads.split(","), cpu_isa=isa)
+    return run_ember_child(path, 1, ["lat", "thru"], cpu_isa=isa)
 
 
-def _bench_json(bin_dir: str, path: str, args: list[str], repeats: int) -> dict:
-    cmd = [f"{bin_dir}/llama-bench", "-m", path, "-t", "2", "-r", str(repeats), "-o", "json"]
+def _bench_json(bin_dir: str, path: str, args: list[str]) -> dict:
+    cmd = [f"{bin_dir}/llama-bench", "-m", path, "-t", "2", "-r", "1", "-o", "json"]
     out = subprocess.run(cmd + args, capture_output=True, text=True, check=True).stdout
     return json.loads(out)[0]
 
 
-def llamacpp_run(bin_dir: str, path: str, repeats: int) -> dict:
-    pp = _bench_json(bin_dir, path, ["-p", "128", "-n", "0"], repeats)
-    tg = _bench_json(bin_dir, path, ["-p", "0", "-n", "128", "-d", "128"], repeats)
+def llamacpp_run(bin_dir: str, path: str) -> dict:
+    """One run of each llama.cpp tool, in `alternate`'s run shape."""
+    pp = _bench_json(bin_dir, path, ["-p", "128", "-n", "0"])
+    tg = _bench_json(bin_dir, path, ["-p", "0", "-n", "128", "-d", "128"])
     cmd = [
         f"{bin_dir}/llama-batched-bench", "-m", path, "-c", "8448", "-b", "2048", "-ub", "512",
         "-npp", "128", "-ntg", "128", "-npl", "32", "-t", "2",
     ]  # fmt: skip
-    totals = []
-    for _ in range(max(1, repeats - 1)):
-        text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        row = [
-            line for line in text.splitlines() if re.match(r"\|\s+128 \|\s+128 \|\s+32 \|", line)
-        ]
-        totals.append(float(row[0].split("|")[-3]))  # the "T s" column
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    row = [line for line in text.splitlines() if re.match(r"\|\s+128 \|\s+128 \|\s+32 \|", line)]
+    total = float(row[0].split("|")[-3])  # the "T s" column
     return {
-        "lat": {
-            "ttft_ms": 128e3 / pp["avg_ts"],
-            "tpot_ms": 1e3 / tg["avg_ts"],
-        },
-        "thru": {"out_tok_s": 32 * 128 / statistics.median(totals)},
+        "lat": {"ttft_ms": 128e3 / pp["avg_ts"], "tpot_ms": 1e3 / tg["avg_ts"]},
+        "thru": {"out_tok_s": 32 * 128 / total},
     }
 
 
@@ -91,11 +85,11 @@ def main() -> None:
     print("|---" * 10 + "|", flush=True)
     for path in args.files:
         if args.warmup:
-            ember_run(path, args.cpu_isa, 1)  # both workloads: their graphs compile here
+            ember_run(path, args.cpu_isa)  # both workloads: their graphs compile here
         e, c = alternate(
             [
-                functools.partial(ember_run, path, args.cpu_isa, 1),
-                functools.partial(llamacpp_run, args.llama_cpp, path, 1),
+                functools.partial(ember_run, path, args.cpu_isa),
+                functools.partial(llamacpp_run, args.llama_cpp, path),
             ],
             args.repeats,
         )

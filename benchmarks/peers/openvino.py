@@ -42,10 +42,11 @@ runpy.run_path(bench, run_name="__main__")
 _EMBER_DTYPE = {"fp16": "auto", "int8": "int8"}
 
 
-def ember_run(path: str, dtype: str, isa: str, repeats: int) -> dict:
+def ember_run(path: str, dtype: str, isa: str) -> dict:
+    """One run of both workloads in a fresh ember child."""
     from ember.tools.bench import run_ember_child
 
-    return run_ember_child(path, repeats, cpu_isa=isa, dtype=dtype)
+    return run_ember_child(path, 1, cpu_isa=isa, dtype=dtype)
 
 
 def openvino_run(venv: str, peers: str, ir: str, isa: str) -> dict:
@@ -107,10 +108,10 @@ def main() -> None:
     for weight_format in formats:
         dtype = _EMBER_DTYPE[weight_format]
         ir = export(args.ov_venv, args.checkpoint, weight_format)
-        ember_run(args.checkpoint, dtype, args.cpu_isa, 1)  # warm-up: compile, weights caches
+        ember_run(args.checkpoint, dtype, args.cpu_isa)  # warm-up: compile, weights caches
         e, o = alternate(
             [
-                functools.partial(ember_run, args.checkpoint, dtype, args.cpu_isa, 1),
+                functools.partial(ember_run, args.checkpoint, dtype, args.cpu_isa),
                 functools.partial(openvino_run, args.ov_venv, args.peers, ir, args.cpu_isa),
             ],
             args.repeats,
