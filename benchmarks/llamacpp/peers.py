@@ -65,7 +65,7 @@ def llamacpp_run(bin_dir: str, path: str) -> dict:
 
 def main() -> None:
     from ember.host import cpu_description
-    from ember.tools.bench import alternate, tpots
+    from ember.tools.bench import alternate, probe_bandwidth_gbs, tpots
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("files", nargs="+")
@@ -92,6 +92,7 @@ def main() -> None:
                 functools.partial(llamacpp_run, args.llama_cpp, path),
             ],
             args.repeats,
+            probe=probe_bandwidth_gbs,
         )
         print(
             f"| {os.path.basename(path)} "
@@ -103,7 +104,11 @@ def main() -> None:
             f"| {e['thru']['out_tok_s'] / c['thru']['out_tok_s']:.2f} |",
             flush=True,
         )
-        print(f"  TPOT ms by run, ember / llama.cpp: {tpots(e)} / {tpots(c)}", flush=True)
+        print(
+            f"  TPOT ms by run @ GB/s read just before it, ember / llama.cpp: "
+            f"{tpots(e)} / {tpots(c)}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

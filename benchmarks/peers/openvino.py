@@ -84,7 +84,7 @@ def export(venv: str, checkpoint: str, weight_format: str) -> str:
 
 def main() -> None:
     from ember.host import cpu_description
-    from ember.tools.bench import alternate, tpots
+    from ember.tools.bench import alternate, probe_bandwidth_gbs, tpots
 
     here = os.path.dirname(os.path.abspath(__file__))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -115,6 +115,7 @@ def main() -> None:
                 functools.partial(openvino_run, args.ov_venv, args.peers, ir, args.cpu_isa),
             ],
             args.repeats,
+            probe=probe_bandwidth_gbs,
         )
         print(
             f"| {weight_format} IR / ember dtype={dtype} "
@@ -127,7 +128,11 @@ def main() -> None:
             f"| {o['kv']} ({o['math']} math) / {e['kv']} |",
             flush=True,
         )
-        print(f"  TPOT ms by run, ember / OpenVINO: {tpots(e)} / {tpots(o)}", flush=True)
+        print(
+            f"  TPOT ms by run @ GB/s read just before it, ember / OpenVINO: "
+            f"{tpots(e)} / {tpots(o)}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -172,18 +172,27 @@ def run_ember_child(
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
-def alternate(engines: Sequence[Callable[[], dict[str, Any]]], repeats: int) -> list[dict]:
+def alternate(
+    engines: Sequence[Callable[[], dict[str, Any]]],
+    repeats: int,
+    probe: Callable[[], float] | None = None,
+) -> list[dict]:
     """Peer benchmarks: `repeats` runs of each engine, alternated and mirrored (A B, B A, A B,
     ...), each run a dict {"lat": {ttft_ms, tpot_ms}, "thru": {out_tok_s}, ...}; returns one
     such dict per engine, each figure the median of its runs (other keys from the first run),
     with "runs": the runs in order. On the VMs ember is measured on, memory bandwidth drifts by
     tens of percent within minutes; one engine's runs back to back, then the other's, measured
-    that drift as much as the engines."""
+    that drift as much as the engines. `probe` (e.g. `probe_bandwidth_gbs`), called just before
+    each run, is kept as the run's "probe_gbs": the state the run met."""
     runs: list[list[dict]] = [[] for _ in engines]
     for r in range(repeats):
         order = range(len(engines)) if r % 2 == 0 else reversed(range(len(engines)))
         for i in order:
-            runs[i].append(engines[i]())
+            gbs = probe() if probe is not None else None
+            run = engines[i]()
+            if gbs is not None:
+                run["probe_gbs"] = gbs
+            runs[i].append(run)
     out = []
     for own in runs:
         med = {**own[0], "runs": own}
@@ -193,9 +202,21 @@ def alternate(engines: Sequence[Callable[[], dict[str, Any]]], repeats: int) -> 
     return out
 
 
+def probe_bandwidth_gbs() -> float:
+    """`alternate`'s probe: this process's read rate over 256 MiB (all its threads), ~0.1 s.
+    On a 2-vCPU AMD EPYC (Zen 4) VM, 2 threads read 28.8-44.8 GB/s within one hour while 1
+    thread read a steady 21.5-22.9, and ember's batch-1 decode steps tracked the 2-thread rate
+    (Llama-1B Q4_K_M: 19.9 ms at 44.8 GB/s, 26.7 ms at 30.7)."""
+    return measure_bandwidth_gbs(256 << 20, 3)
+
+
 def tpots(engine: dict) -> str:
-    """An `alternate` result's TPOT of each run, in order ("12.34, 12.56")."""
-    return ", ".join(f"{run['lat']['tpot_ms']:.2f}" for run in engine["runs"])
+    """An `alternate` result's TPOT of each run, in order ("12.34, 12.56"), each with the
+    probe's GB/s where the runs have one ("12.34 @31, 12.56 @44")."""
+    return ", ".join(
+        f"{run['lat']['tpot_ms']:.2f}" + (f" @{run['probe_gbs']:.0f}" if "probe_gbs" in run else "")
+        for run in engine["runs"]
+    )
 
 
 def run_hf(
