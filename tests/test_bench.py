@@ -165,23 +165,10 @@ def test_alternate_mirrors_the_order_and_takes_each_engines_medians():
     assert bench.tpots(b) == "5.00, 9.00, 4.00"
 
 
-def test_alternate_keeps_the_probe_taken_just_before_each_run():
-    events: list[str] = []
-    rates = iter([30.0, 41.0, 29.0, 44.0])
-
-    def probe() -> float:
-        events.append("probe")
-        return next(rates)
-
-    def engine(name: str):
-        def run() -> dict:
-            events.append(name)
-            return {"lat": {"ttft_ms": 1.0, "tpot_ms": 2.0}, "thru": {"out_tok_s": 3.0}}
-
-        return run
-
-    a, b = bench.alternate([engine("a"), engine("b")], 2, probe=probe)
-    assert events == ["probe", "a", "probe", "b", "probe", "b", "probe", "a"]
-    assert [r["probe_gbs"] for r in a["runs"]] == [30.0, 44.0]
-    assert bench.tpots(b) == "2.00 @41, 2.00 @29"
+def test_tpots_show_each_runs_bandwidth_probe():
+    runs = [
+        {"lat": {"tpot_ms": 2.0, "probe_gbs": 41.2}},
+        {"lat": {"tpot_ms": 2.5, "probe_gbs": 29.0}},
+    ]
+    assert bench.tpots({"runs": runs}) == "2.00 @41, 2.50 @29"
     assert bench.probe_bandwidth_gbs() > 0

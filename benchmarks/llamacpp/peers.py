@@ -48,7 +48,10 @@ def _bench_json(bin_dir: str, path: str, args: list[str]) -> dict:
 
 def llamacpp_run(bin_dir: str, path: str) -> dict:
     """One run of each llama.cpp tool, in `alternate`'s run shape."""
+    from ember.tools.bench import probe_bandwidth_gbs
+
     pp = _bench_json(bin_dir, path, ["-p", "128", "-n", "0"])
+    gbs = probe_bandwidth_gbs()
     tg = _bench_json(bin_dir, path, ["-p", "0", "-n", "128", "-d", "128"])
     cmd = [
         f"{bin_dir}/llama-batched-bench", "-m", path, "-c", "8448", "-b", "2048", "-ub", "512",
@@ -58,14 +61,14 @@ def llamacpp_run(bin_dir: str, path: str) -> dict:
     row = [line for line in text.splitlines() if re.match(r"\|\s+128 \|\s+128 \|\s+32 \|", line)]
     total = float(row[0].split("|")[-3])  # the "T s" column
     return {
-        "lat": {"ttft_ms": 128e3 / pp["avg_ts"], "tpot_ms": 1e3 / tg["avg_ts"]},
+        "lat": {"ttft_ms": 128e3 / pp["avg_ts"], "tpot_ms": 1e3 / tg["avg_ts"], "probe_gbs": gbs},
         "thru": {"out_tok_s": 32 * 128 / total},
     }
 
 
 def main() -> None:
     from ember.host import cpu_description
-    from ember.tools.bench import alternate, probe_bandwidth_gbs, tpots
+    from ember.tools.bench import alternate, tpots
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("files", nargs="+")
@@ -92,7 +95,6 @@ def main() -> None:
                 functools.partial(llamacpp_run, args.llama_cpp, path),
             ],
             args.repeats,
-            probe=probe_bandwidth_gbs,
         )
         print(
             f"| {os.path.basename(path)} "
@@ -105,8 +107,8 @@ def main() -> None:
             flush=True,
         )
         print(
-            f"  TPOT ms by run @ GB/s read just before it, ember / llama.cpp: "
-            f"{tpots(e)} / {tpots(c)}",
+            "  TPOT ms by run @ GB/s read just before it (probe_bandwidth_gbs), ember / llama.cpp:"
+            f" {tpots(e)} / {tpots(c)}",
             flush=True,
         )
 

@@ -60,10 +60,13 @@ def openvino_run(venv: str, peers: str, ir: str, isa: str) -> dict:
         env.update(ONEDNN_MAX_CPU_ISA="AVX2", OV_CPU_MAX_ISA="AVX2")
         props = {"INFERENCE_PRECISION_HINT": "f32"}
         cmd = [cmd[0], "-c", _OV_WITH_PROPERTIES, json.dumps(props)] + cmd[1:]
+    from ember.tools.bench import probe_bandwidth_gbs
+
+    gbs = probe_bandwidth_gbs()  # before the process (it runs W-LAT first)
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
     run = json.loads(out.strip().splitlines()[-1])
     return {
-        "lat": {"ttft_ms": run["ttft"] * 1e3, "tpot_ms": run["tpot"] * 1e3},
+        "lat": {"ttft_ms": run["ttft"] * 1e3, "tpot_ms": run["tpot"] * 1e3, "probe_gbs": gbs},
         "thru": {"out_tok_s": run["thru"]},
         "kv": run["kv_cache_precision"],
         # ov_bench prints a fresh Core's default, not the f32 given to its pipeline here
@@ -84,7 +87,7 @@ def export(venv: str, checkpoint: str, weight_format: str) -> str:
 
 def main() -> None:
     from ember.host import cpu_description
-    from ember.tools.bench import alternate, probe_bandwidth_gbs, tpots
+    from ember.tools.bench import alternate, tpots
 
     here = os.path.dirname(os.path.abspath(__file__))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -115,7 +118,6 @@ def main() -> None:
                 functools.partial(openvino_run, args.ov_venv, args.peers, ir, args.cpu_isa),
             ],
             args.repeats,
-            probe=probe_bandwidth_gbs,
         )
         print(
             f"| {weight_format} IR / ember dtype={dtype} "
@@ -129,7 +131,7 @@ def main() -> None:
             flush=True,
         )
         print(
-            f"  TPOT ms by run @ GB/s read just before it, ember / OpenVINO: "
+            f"  TPOT ms by run @ GB/s read just before it (probe_bandwidth_gbs), ember / OpenVINO: "
             f"{tpots(e)} / {tpots(o)}",
             flush=True,
         )

@@ -126,13 +126,15 @@ def run_ember(
 _CHILD = """
 import json, sys
 from ember import LLM
-from ember.tools.bench import Workload, run_ember
+from ember.tools.bench import Workload, probe_bandwidth_gbs, run_ember
 args = json.loads(sys.argv[1])
 llm = LLM(model=args["model"], use_tqdm=False, **args["engine"])
 out = {"kv": str(llm.config.kv_dtype).removeprefix("torch.")}
 for key, w in args["workloads"]:
+    gbs = probe_bandwidth_gbs()
     r = run_ember(llm, Workload(**w), args["repeats"])
-    out[key] = {"ttft_ms": r.ttft_ms, "tpot_ms": r.tpot_ms, "out_tok_s": r.out_tok_s}
+    out[key] = {"ttft_ms": r.ttft_ms, "tpot_ms": r.tpot_ms, "out_tok_s": r.out_tok_s,
+                "probe_gbs": gbs}
 llm.close()
 print(json.dumps(out))
 """
@@ -149,7 +151,8 @@ def run_ember_child(
     alone, and `cpu_isa="avx2"` makes the whole child an AVX2-only host: `EMBER_CPU_ISA`, ATen
     and oneDNN capped). `workloads`: keys of WORKLOADS or Workloads. Returns {key (a Workload's
     name): {ttft_ms, tpot_ms, out_tok_s}, "kv": the cache dtype}; `engine_args` go to `LLM` (JSON
-    values); a failed child is a RuntimeError with the end of its stderr. For the peer
+    values); a failed child is a RuntimeError with the end of its stderr. Each workload's
+    figures carry "probe_gbs", the child's `probe_bandwidth_gbs` just before it. For the peer
     benchmarks."""
     import dataclasses
     import json
@@ -172,27 +175,18 @@ def run_ember_child(
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
-def alternate(
-    engines: Sequence[Callable[[], dict[str, Any]]],
-    repeats: int,
-    probe: Callable[[], float] | None = None,
-) -> list[dict]:
+def alternate(engines: Sequence[Callable[[], dict[str, Any]]], repeats: int) -> list[dict]:
     """Peer benchmarks: `repeats` runs of each engine, alternated and mirrored (A B, B A, A B,
     ...), each run a dict {"lat": {ttft_ms, tpot_ms}, "thru": {out_tok_s}, ...}; returns one
     such dict per engine, each figure the median of its runs (other keys from the first run),
     with "runs": the runs in order. On the VMs ember is measured on, memory bandwidth drifts by
     tens of percent within minutes; one engine's runs back to back, then the other's, measured
-    that drift as much as the engines. `probe` (e.g. `probe_bandwidth_gbs`), called just before
-    each run, is kept as the run's "probe_gbs": the state the run met."""
+    that drift as much as the engines (`probe_bandwidth_gbs`)."""
     runs: list[list[dict]] = [[] for _ in engines]
     for r in range(repeats):
         order = range(len(engines)) if r % 2 == 0 else reversed(range(len(engines)))
         for i in order:
-            gbs = probe() if probe is not None else None
-            run = engines[i]()
-            if gbs is not None:
-                run["probe_gbs"] = gbs
-            runs[i].append(run)
+            runs[i].append(engines[i]())
     out = []
     for own in runs:
         med = {**own[0], "runs": own}
@@ -203,19 +197,21 @@ def alternate(
 
 
 def probe_bandwidth_gbs() -> float:
-    """`alternate`'s probe: this process's read rate over 256 MiB (all its threads), ~0.1 s.
-    On a 2-vCPU AMD EPYC (Zen 4) VM, 2 threads read 28.8-44.8 GB/s within one hour while 1
-    thread read a steady 21.5-22.9, and ember's batch-1 decode steps tracked the 2-thread rate
-    (Llama-1B Q4_K_M: 19.9 ms at 44.8 GB/s, 26.7 ms at 30.7)."""
+    """The peer benchmarks' probe of the machine's state, taken just before each engine's
+    W-LAT ("probe_gbs" in its figures): this process's read rate over 256 MiB (all its
+    threads), ~0.1 s. On a 2-vCPU AMD EPYC (Zen 4) VM, 2 threads read 27-55 GB/s within hours,
+    switching within seconds, while 1 thread read a steady 18-23; ember's batch-1 decode
+    tracked the 2-thread rate (Llama-1B Q4_K_M, 813 MB a token: 25.3 ms at 34 GB/s, then 16.7-
+    17.8 ms at 51-55 in the same process)."""
     return measure_bandwidth_gbs(256 << 20, 3)
 
 
 def tpots(engine: dict) -> str:
-    """An `alternate` result's TPOT of each run, in order ("12.34, 12.56"), each with the
-    probe's GB/s where the runs have one ("12.34 @31, 12.56 @44")."""
+    """An `alternate` result's TPOT of each run, in order ("12.34, 12.56"), each with its
+    probe's GB/s where the run has one ("12.34 @31, 12.56 @44")."""
     return ", ".join(
-        f"{run['lat']['tpot_ms']:.2f}" + (f" @{run['probe_gbs']:.0f}" if "probe_gbs" in run else "")
-        for run in engine["runs"]
+        f"{lat['tpot_ms']:.2f}" + (f" @{lat['probe_gbs']:.0f}" if "probe_gbs" in lat else "")
+        for lat in (run["lat"] for run in engine["runs"])
     )
 
 
