@@ -202,7 +202,8 @@ def probe_bandwidth_gbs() -> float:
     threads), ~0.1 s. On a 2-vCPU AMD EPYC (Zen 4) VM, 2 threads read 27-55 GB/s within hours,
     switching within seconds, while 1 thread read a steady 18-23; ember's batch-1 decode
     tracked the 2-thread rate (Llama-1B Q4_K_M, 813 MB a token: 25.3 ms at 34 GB/s, then 16.7-
-    17.8 ms at 51-55 in the same process)."""
+    17.8 ms at 51-55 in the same process). A switch during a run is not seen: it tells a
+    sitting's state, not always each run's."""
     return measure_bandwidth_gbs(256 << 20, 3)
 
 
