@@ -97,6 +97,12 @@ def source_files() -> list[str]:
 _CFLAGS = ["-O3", "-fopenmp"]
 # Per `ember.host.CPU_ISAS`: the native build, or AVX2 + FMA without AVX-512 (x86-64-v3).
 _ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=native"]}
+# A test switch: `EMBER_KERNELS_NO_SIMD=1` builds every ISA's kernels for baseline x86-64, so
+# their scalar paths run (what -march=native gives on an x86 CPU without AVX2 + FMA) on any
+# machine; ATen and inductor keep this CPU's vectors. tests/kernels/test_scalar_build.py runs the
+# kernel and attention tests so.
+NO_SIMD_ENV = "EMBER_KERNELS_NO_SIMD"
+_NO_SIMD_FLAGS = ["-march=x86-64", "-mtune=generic"]
 _loaded_isa: str | None = None
 _panel = 0  # packed weight panel width of the loaded build
 _bf16_pairs = False  # the loaded build has pack_bf16_pairs (AVX512-BF16)
@@ -171,8 +177,12 @@ def _resolved(isa: str | None) -> str | None:
     return None if isa is None else resolve_isa(isa)
 
 
+def _no_simd() -> bool:
+    return os.environ.get(NO_SIMD_ENV, "") == "1"
+
+
 def _expected_panel(isa: str) -> int:
-    return 32 if isa == "native" and native_enables("avx512f") else 16
+    return 32 if isa == "native" and native_enables("avx512f") and not _no_simd() else 16
 
 
 def _pack_fake(w: torch.Tensor) -> torch.Tensor:
@@ -277,7 +287,7 @@ class _Build(NamedTuple):
 
 
 def _build(isa: str) -> _Build:
-    return _build_with(isa, (*_CFLAGS, *_ISA_FLAGS[isa]))
+    return _build_with(isa, (*_CFLAGS, *(_NO_SIMD_FLAGS if _no_simd() else _ISA_FLAGS[isa])))
 
 
 @functools.cache

@@ -1,0 +1,53 @@
+"""The kernels' scalar paths: what `-march=native` builds on an x86 CPU without AVX2 + FMA.
+
+The kernel and attention tests, and the int8 and GGUF tests that hold the quantized kernels
+to integer references, run in a child pytest whose ember kernels are built for baseline
+x86-64 (`EMBER_KERNELS_NO_SIMD=1`). The real Gemma 3 file's comparison with HF is left out
+(46 s on the scalar kernels). ATen and inductor keep this CPU's vectors in the child, so it
+gets an inductor cache of its own: torch's FX graph cache keys a graph without the vector
+ISA, and the child's 16-channel panels give the same graph shapes as an AVX2 process's.
+Sharing the cache served the child 8-lane inductor loops built with 16-lane vectors, which
+corrupted the heap.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from ember import kernels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.one_host("it builds the kernels without SIMD itself")
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64"), reason="builds for baseline x86-64"
+)
+def test_kernel_tests_pass_on_the_scalar_build(tmp_path):
+    if os.environ.get(kernels.NO_SIMD_ENV) == "1":
+        pytest.skip("this process is the scalar build's run")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update({kernels.NO_SIMD_ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    cmd = [
+        sys.executable, "-m", "pytest", "-q", "-n", "0", "-k", "not avx2-host and not gemma3",
+        "tests/kernels", "tests/attention", "tests/e2e/test_int8.py", "tests/e2e/test_gguf.py",
+    ]  # fmt: skip
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    tail = run.stdout[-6000:] + run.stderr[-2000:]
+    assert run.returncode == 0, tail
+    # the child's build: baseline x86-64, 16-channel panels, no bf16 pairs
+    probe = (
+        "from ember import kernels; kernels.load(); "
+        "print(kernels.panel_width(), kernels.bf16_pairs(), "
+        "*kernels._build(kernels.loaded_isa()).command)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    words = out.stdout.split()
+    assert words[:2] == ["16", "False"] and "-march=x86-64" in words, out.stderr[-2000:]
