@@ -31,6 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_kernel_tests_pass_on_the_scalar_build(tmp_path):
     if os.environ.get(kernels.NO_SIMD_ENV) == "1":
         pytest.skip("this process is the scalar build's run")
+    if not kernels.available():
+        pytest.skip("ember's kernels cannot be built here (no C++ compiler)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env.update({kernels.NO_SIMD_ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
     cmd = [
