@@ -100,7 +100,7 @@ _ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=
 # A test switch: `EMBER_KERNELS_NO_SIMD=1` builds every ISA's kernels for baseline x86-64, so
 # their scalar paths run (what -march=native gives on an x86 CPU without AVX2 + FMA) on any
 # machine; ATen and inductor keep this CPU's vectors. tests/kernels/test_scalar_build.py runs the
-# kernel, attention, int8 and GGUF tests so.
+# kernel and attention tests and the int8 and GGUF reference tests so.
 NO_SIMD_ENV = "EMBER_KERNELS_NO_SIMD"
 _NO_SIMD_FLAGS = ["-march=x86-64", "-mtune=generic"]
 _loaded_isa: str | None = None

@@ -1,13 +1,12 @@
 """The kernels' scalar paths: what `-march=native` builds on an x86 CPU without AVX2 + FMA.
 
-The kernel and attention tests, and the int8 and GGUF tests that hold the quantized kernels
-to integer references, run in a child pytest whose ember kernels are built for baseline
-x86-64 (`EMBER_KERNELS_NO_SIMD=1`). The real Gemma 3 file's comparison with HF is left out
-(46 s on the scalar kernels). ATen and inductor keep this CPU's vectors in the child, so it
-gets an inductor cache of its own: torch's FX graph cache keys a graph without the vector
-ISA, and the child's 16-channel panels give the same graph shapes as an AVX2 process's.
-Sharing the cache served the child 8-lane inductor loops built with 16-lane vectors, which
-corrupted the heap.
+The kernel and attention tests, and the int8 and GGUF tests that hold the quantized linears
+to integer references and HF (`REFERENCE_TESTS`), run in a child pytest whose ember kernels
+are built for baseline x86-64 (`EMBER_KERNELS_NO_SIMD=1`). ATen and inductor keep this CPU's
+vectors in the child, so it gets an inductor cache of its own: torch's FX graph cache keys a
+graph without the vector ISA, and the child's 16-channel panels give the same graph shapes as
+an AVX2 process's. Sharing the cache served the child 8-lane inductor loops built with 16-lane
+vectors, which corrupted the heap.
 """
 
 from __future__ import annotations
@@ -22,6 +21,22 @@ import pytest
 from ember import kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Beyond tests/kernels (which packs and multiplies but does not reach Int8Linear's codes): the
+# quantized linears against integer and dequantized references, GGUF blocks read and packed,
+# and greedy decoding against HF on the same files.
+REFERENCE_TESTS = [
+    f"tests/e2e/{name}"
+    for name in (
+        "test_int8.py::test_int8_linear_matches_dequantised_reference",
+        "test_int8.py::test_int8_activations_match_an_integer_reference",
+        "test_int8.py::test_per_token_int8_matches_an_integer_reference",
+        "test_gguf.py::test_gguf_greedy_matches_hf_on_the_same_file",
+        "test_gguf.py::test_group_linear_from_blocks_reads_ggml_layouts_exactly",
+        "test_gguf.py::test_the_kernels_pack_file_blocks_as_the_converters_do",
+        "test_gguf.py::test_k_quants_are_kept_as_the_file_holds_them",
+        "test_gguf.py::test_other_types_requantize_to_8_bit_groups_within_half_a_step",
+    )
+]
 
 
 @pytest.mark.one_host("it builds the kernels without SIMD itself")
@@ -36,8 +51,8 @@ def test_kernel_tests_pass_on_the_scalar_build(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env.update({kernels.NO_SIMD_ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
     cmd = [
-        sys.executable, "-m", "pytest", "-q", "-n", "0", "-k", "not avx2-host and not gemma3",
-        "tests/kernels", "tests/attention", "tests/e2e/test_int8.py", "tests/e2e/test_gguf.py",
+        sys.executable, "-m", "pytest", "-q", "-n", "0", "-k", "not avx2-host",
+        "tests/kernels", "tests/attention", *REFERENCE_TESTS,
     ]  # fmt: skip
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     tail = run.stdout[-6000:] + run.stderr[-2000:]
