@@ -23,15 +23,15 @@ import pytest
 import torch
 
 from ember import kernels
-from ember.compiler.quant import GroupLinear
-from ember.host import collapse_to_huge_pages, move_to_huge_pages
+from ember.host.memory import collapse_to_huge_pages, move_to_huge_pages
+from ember.model.layers.group import GroupLinear
 
 HIDDEN, FFN, LAYERS, QKV = 896, 4864, 24, 1152  # qwen2-0.5b
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * FFN, HIDDEN), (HIDDEN, FFN)] * LAYERS
 
 
 def _in_huge_pages(tensors: list[torch.Tensor]) -> None:
-    """Where the engine keeps weights (`ember.compiler.loader`): in huge pages, so a stream
+    """Where the engine keeps weights (`ember.model.loader`): in huge pages, so a stream
     is not cut into 4 KiB pages (a TLB miss each, and hardware prefetchers stop at them)."""
     move_to_huge_pages(tensors)
     collapse_to_huge_pages(wait=True)

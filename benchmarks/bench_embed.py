@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ember.host import cpu_has_native_bf16
+from ember.host.isa import cpu_has_native_bf16
 
 NUM_SENTENCES, HF_BATCH = 1024, 32
 WORDS = (

@@ -1,4 +1,4 @@
-"""The batch-1 decode graph called flat (`ember.compiler.flat_call`) against the same graph
+"""The batch-1 decode graph called flat (`ember.compile.flat_call`) against the same graph
 through Dynamo's pre-graph bytecode (`call.__wrapped__`): what the flat call saves per step.
 
     python -m pytest benchmarks/bench_graph_call.py --benchmark-columns=median
@@ -19,7 +19,7 @@ import time
 import pytest
 
 from ember import LLM, SamplingParams
-from ember.compiler.capture import CompiledForward
+from ember.compile.capture import CompiledForward
 from ember.tools import bench as tools
 
 SHAPES = os.environ.get("EMBER_BENCH_SHAPES", "llama-160m").split(",")

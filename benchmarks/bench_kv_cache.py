@@ -23,7 +23,8 @@ import torch
 
 def main() -> None:
     from ember import LLM
-    from ember.host import cpu_description, user_cache_dir
+    from ember.host.dirs import user_cache_dir
+    from ember.host.isa import cpu_description
     from ember.tools.bench import Workload, run_ember
     from ember.tools.checkpoints import build_checkpoint
 

@@ -11,7 +11,7 @@ The timed unit is one whole child process (interpreter, `import torch`, `import 
 engine); `extra_info` holds the medians of what the child measured itself: `ready_s` (the
 engine alone, the number the target is about), `import_s`, and `cold_s` of the first start.
 `isa_probes` counts inductor's vector-ISA probes (a child Python loading a test library each)
-in the warm children: 0 where the cache entry recorded them (`ember.compiler.inductor.
+in the warm children: 0 where the cache entry recorded them (`ember.compile.inductor.
 vec_isa_probes`).
 """
 

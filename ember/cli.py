@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
-from ember import LLM, SamplingParams, host
-from ember.host import default_compile_cache_dir
+from ember import LLM, SamplingParams
+from ember.host import isa as host
+from ember.host import memory
+from ember.host.dirs import default_compile_cache_dir
 from ember.runtime.config import EngineArgs
 from ember.runtime.llm import load_chat_template
 from ember.tools import bench
@@ -194,7 +196,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.cpu_isa == "avx2" and host.host_isa() != "avx2":
         # The whole process as an AVX2-only host (ATen and oneDNN read their caps when torch
         # runs its first kernel), so it starts itself again under the switch.
-        env = dict(os.environ, **{host.HOST_ISA_ENV: "avx2"}, **host.AVX2_ENV)
+        env = dict(os.environ, **{host.HOST_ISA_ENV: "avx2"}, **memory.AVX2_ENV)
         # The same ember as this process (not whichever `python -m` finds first from the cwd).
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         code = f"import sys; sys.path[0] = {root!r}; from ember.cli import main; sys.exit(main())"
@@ -285,7 +287,7 @@ def _weights_description(cfg: Any) -> str:
     """What the linear weights are stored as: the quantization, the GGUF file's tensor types,
     or the dtype."""
     if cfg.model_spec.gguf_file is not None:
-        from ember.compiler.gguf import weight_types
+        from ember.model.gguf.reader import weight_types
 
         counts = weight_types(cfg.model_spec.gguf_file)
         return "GGUF " + ", ".join(f"{n} {t}" for t, n in counts.most_common())

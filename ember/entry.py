@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ember.host import CPU_ISAS
+from ember.host.isa import CPU_ISAS
 
 # Commands that load a model in this process (`bench` may start itself again under the AVX2
 # environment first, and a process replacing itself must not leave a build half-done).

@@ -30,7 +30,7 @@ def _private_cache_root() -> str:
     compile (GGUF configs and tokenizers, checkpoints, compile caches) never land in the
     user's own. The built kernels are copied in: they depend only on the sources and the CPU,
     and building them again would add minutes to every run."""
-    from ember.host import user_cache_dir
+    from ember.host.dirs import user_cache_dir
 
     kernels = user_cache_dir("kernels")
     root = tempfile.mkdtemp(prefix="ember-test-cache-")
@@ -188,7 +188,7 @@ def gib_for_blocks(
     model_dir: str, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32
 ) -> float:
     """kv_cache_gib that yields exactly `num_blocks` blocks (one is the reserved null block)."""
-    from ember.compiler.hf_config import kv_geometry, load_hf_config
+    from ember.model.spec import kv_geometry, load_hf_config
     from ember.runtime.config import KVCacheSpec
 
     layers, kv_heads, head_dim = kv_geometry(load_hf_config(model_dir).get_text_config())
@@ -259,8 +259,8 @@ _LOAD_RSS_CHILD = """
 import json, os, sys
 import torch
 from ember.attention import get_backend
-from ember.compiler.hf_config import read_model_spec
-from ember.compiler.loader import load_model
+from ember.model.spec import read_model_spec
+from ember.model.loader import load_model
 
 def status_mib(key):
     for line in open("/proc/self/status"):

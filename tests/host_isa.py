@@ -47,7 +47,7 @@ def _is_child() -> bool:
 
 
 def _beyond_avx2() -> bool:
-    from ember.host import beyond_avx2
+    from ember.host.isa import beyond_avx2
 
     return beyond_avx2()
 
@@ -105,7 +105,7 @@ def host_isa(request: pytest.FixtureRequest) -> str:
 def needs_fp32_math() -> None:
     """Skip a test of fp32 math on bf16 weights where bf16 math is native: its [avx2-host]
     run checks it there (on an AVX2-only CPU its own run does)."""
-    from ember.host import cpu_has_native_bf16
+    from ember.host.isa import cpu_has_native_bf16
 
     if cpu_has_native_bf16():
         pytest.skip("bf16 math is native here; the [avx2-host] run checks fp32 math")

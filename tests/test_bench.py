@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ember import LLM
-from ember.compiler.quant import PackedLinear
+from ember.model.layers.packed import PackedLinear
 from ember.tools import bench
 
 

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
 import time
 
 import pytest
 
-from ember import host, kernels
-from ember.compiler import inductor
+from ember import kernels
+from ember.compile import inductor
+from ember.host import dirs
+from ember.host import isa as host_isa
+from ember.host import memory as host
 from tests.conftest import huge_page_kib
 
 
@@ -20,15 +24,15 @@ def _mode(path: str) -> int:
 
 def test_private_dir_creates_0700_and_refuses_dirs_others_can_write(tmp_path, caplog):
     os.chmod(tmp_path, 0o755)
-    made = host.private_dir(str(tmp_path / "cache" / "kernels"), "kernel cache")
+    made = dirs.private_dir(str(tmp_path / "cache" / "kernels"), "kernel cache")
     assert made is not None and _mode(made) == 0o700
-    assert host.private_dir(made, "kernel cache") == made  # idempotent
+    assert dirs.private_dir(made, "kernel cache") == made  # idempotent
 
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o775)
     with caplog.at_level(logging.WARNING, logger="ember"):
-        assert host.private_dir(str(shared), "compile cache") is None
+        assert dirs.private_dir(str(shared), "compile cache") is None
     assert f"not using compile cache {shared}: it is writable by group or others" in caplog.text
 
     # A private dir under a parent anyone may write to (and that is not sticky, as /tmp is)
@@ -36,9 +40,9 @@ def test_private_dir_creates_0700_and_refuses_dirs_others_can_write(tmp_path, ca
     loose = tmp_path / "loose"
     loose.mkdir()
     os.chmod(loose, 0o777)
-    assert host.private_dir(str(loose / "inner"), "compile cache") is None
+    assert dirs.private_dir(str(loose / "inner"), "compile cache") is None
     os.chmod(loose, 0o1777)
-    assert host.private_dir(str(loose / "inner"), "compile cache") == str(loose / "inner")
+    assert dirs.private_dir(str(loose / "inner"), "compile cache") == str(loose / "inner")
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="chown to another user needs root")
@@ -47,7 +51,7 @@ def test_private_dir_refuses_a_dir_owned_by_another_user(tmp_path, caplog):
     other.mkdir(mode=0o700)
     os.chown(other, 4242, -1)
     with caplog.at_level(logging.WARNING, logger="ember"):
-        assert host.private_dir(str(other), "kernel cache") is None
+        assert dirs.private_dir(str(other), "kernel cache") is None
     assert "owned by uid 4242" in caplog.text
 
 
@@ -80,25 +84,25 @@ def test_prune_cache_evicts_least_recently_used_entries_idle_long_enough(tmp_pat
     old_tree = entry("b", 300, age_s=8000, directory=True)
     kept = entry("c.pkl", 300, age_s=7000)  # the one just written, whatever its mtime
     used = entry("d.pkl", 300, age_s=7000)
-    host.touch(used)  # read just now: recently used
+    dirs.touch(used)  # read just now: recently used
     recent = entry("e.pkl", 300, age_s=60)  # another process may be reading it
     hidden = entry(".tmp-f", 300, age_s=9000)  # being written
     entry(".evicted-g-1", 300, age_s=9000, directory=True)  # left by a killed process
 
     # 1800 bytes (the leftover is deleted, not counted), over 800: the two oldest go, and
     # every other entry is exempt.
-    evicted = host.prune_cache(str(tmp_path), 800, keep=kept)
+    evicted = dirs.prune_cache(str(tmp_path), 800, keep=kept)
     assert evicted == [oldest, old_tree]
     assert sorted(os.listdir(tmp_path)) == sorted(
         os.path.basename(p) for p in (kept, used, recent, hidden)
     )
     # Nothing else is old enough to go, however far over the cap the rest is.
-    assert host.prune_cache(str(tmp_path), 0, keep=kept) == []
-    assert host.prune_cache(str(tmp_path / "missing"), 0) == []
+    assert dirs.prune_cache(str(tmp_path), 0, keep=kept) == []
+    assert dirs.prune_cache(str(tmp_path / "missing"), 0) == []
 
 
 def test_compile_cache_default_is_the_user_cache_and_only_it_is_pruned(tmp_path, monkeypatch):
-    from ember.compiler import cache
+    from ember.compile import cache
     from ember.runtime.config import _compile_cache_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -114,7 +118,7 @@ def test_compile_cache_default_is_the_user_cache_and_only_it_is_pruned(tmp_path,
     assert _compile_cache_dir("/some/dir", freeze_weights=False) == "/some/dir"
 
     monkeypatch.setattr(cache, "COMPILE_CACHE_MAX_BYTES", 0)
-    old = time.time() - 2 * host.PRUNE_MIN_IDLE_S
+    old = time.time() - 2 * dirs.PRUNE_MIN_IDLE_S
     for directory in (default, str(tmp_path / "mine")):
         first = cache.mark_complete(directory, {"n": 1})
         os.utime(first, (old, old))
@@ -127,7 +131,7 @@ def test_compile_cache_default_is_the_user_cache_and_only_it_is_pruned(tmp_path,
 
 
 def test_cache_entry_records_the_vec_isa_probes_and_a_broken_key_file_misses(tmp_path):
-    from ember.compiler import cache
+    from ember.compile import cache
 
     probes = ["/c/inductor/b/probe.so", "/c/inductor/a/probe.so"]
     entry = cache.mark_complete(str(tmp_path), {"n": 1}, probes)
@@ -162,24 +166,24 @@ def test_vec_isa_probes_pass_known_libraries_and_record_only_real_passes(monkeyp
 
 
 def test_cpu_target_is_the_exact_march_expansion():
-    native = host.cpu_target()
-    assert native == host.cpu_target("-march=native")  # stable
-    v3 = host.cpu_target("-march=x86-64-v3")
+    native = host_isa.cpu_target()
+    assert native == host_isa.cpu_target("-march=native")  # stable
+    v3 = host_isa.cpu_target("-march=x86-64-v3")
     assert v3.startswith("x86-64-v3-") and v3 != native
 
 
-@pytest.mark.skipif(host.shutil.which("c++") is None, reason="needs a C++ compiler")
+@pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
 def test_the_march_expansion_is_kept_per_compiler_and_cpu(tmp_path, monkeypatch):
     """The compiler is asked once per (compiler, -march, CPU); later processes read its answer
     from the kernel cache; an unreadable entry is asked again, and a new CPU gets its own."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     asked = []
-    real_ask = host._ask_compiler
-    monkeypatch.setattr(host, "_ask_compiler", lambda m: asked.append(m) or real_ask(m))
+    real_ask = host_isa._ask_compiler
+    monkeypatch.setattr(host_isa, "_ask_compiler", lambda m: asked.append(m) or real_ask(m))
 
     def fresh(march: str = "-march=native") -> tuple[str, tuple[str, ...]]:
-        host._march.cache_clear()  # as a new process
-        return host._march(march)
+        host_isa._march.cache_clear()  # as a new process
+        return host_isa._march(march)
 
     first = fresh()
     assert asked == ["-march=native"] and first[0] != "cpu"
@@ -190,9 +194,9 @@ def test_the_march_expansion_is_kept_per_compiler_and_cpu(tmp_path, monkeypatch)
     for entry in entries:
         entry.write_text("")
     assert fresh() == first and len(asked) == 3  # unreadable: asked again
-    monkeypatch.setattr(host, "_cpu_identity", lambda: "another CPU")
+    monkeypatch.setattr(host_isa, "_cpu_identity", lambda: "another CPU")
     assert fresh() == first and len(asked) == 4
-    host._march.cache_clear()
+    host_isa._march.cache_clear()
 
 
 def test_zeroed_lazily_is_zero_and_takes_memory_only_where_touched():
@@ -350,7 +354,7 @@ def test_collapsing_stops_at_exit_after_the_page_it_is_on(monkeypatch):
 
 _EXIT_WHILE_COLLAPSING = """
 import torch
-from ember import host
+from ember.host import memory as host
 weights = host.weight_zeros((256 << 20,), torch.uint8)
 weights[::4096] = 1  # written in 4 KiB pages
 host.collapse_to_huge_pages()
@@ -383,13 +387,13 @@ from ember import kernels
 assert "transformers" not in sys.modules, "import ember pulled in transformers"
 kernels.prebuild("native")
 predicted = kernels.panel_width()
-from ember.compiler.quant import GroupLinear, quantize_groups
+from ember.model.layers.group import GroupLinear, quantize_groups
 torch.manual_seed(0)
 codes, scales, mins = quantize_groups(torch.randn(40, 64), 4, False)
 layer = GroupLinear(codes, scales, mins, 4)  # laid out while the build may still run
 x = torch.randn(3, 64)
 y = layer(x)  # waits for the build
-from ember.host import resolve_isa
+from ember.host.isa import resolve_isa
 assert kernels.loaded_isa() == resolve_isa("native"), kernels.loaded_isa()  # avx2 when forced
 assert kernels.panel_width() == predicted, (kernels.panel_width(), predicted)
 ref = x @ layer.rows(slice(None)).T

@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from ember.host import beyond_avx2
+from ember.host.isa import beyond_avx2
 
 ROOT = pathlib.Path(__file__).parents[1]
 
 _PROBE = """
-from ember.host import cpu_has_native_bf16, host_isa
+from ember.host.isa import cpu_has_native_bf16, host_isa
 
 
 def test_assumes_native_bf16():
@@ -54,7 +54,7 @@ def test_an_expectation_of_native_bf16_fails_on_the_avx2_host(tmp_path):
 
 
 def test_the_switch_refuses_a_bad_value(monkeypatch):
-    from ember import host
+    from ember.host import isa as host
 
     monkeypatch.setenv("EMBER_CPU_ISA", "avx3")
     host.host_isa.cache_clear()
@@ -70,7 +70,8 @@ _LATE = """
 import os, torch
 print(torch.backends.cpu.get_cpu_capability())  # ATen chooses its kernels here
 os.environ["EMBER_CPU_ISA"] = "avx2"
-from ember import EngineArgs, host
+from ember import EngineArgs
+from ember.host import isa as host
 assert not host.cpu_has_native_bf16() and host.resolve_isa("native") == "avx2"
 try:
     host.check_host_isa()

@@ -1,5 +1,5 @@
-"""Imports flow one way: entry -> cli/tools -> runtime -> compiler -> attention, lora, kernels -> host,
-version. No module imports a layer above its own, at module level or inside a function."""
+"""Imports flow one way: entry -> cli/tools -> runtime -> compile -> model -> attention, lora, kernels
+-> host, version, errors, keys. No module imports a layer above its own, at module level or inside a function."""
 
 from __future__ import annotations
 
@@ -14,15 +14,18 @@ ROOT = pathlib.Path(ember.__file__).parent
 LAYERS = {
     "ember.host": 0,
     "ember.version": 0,
+    "ember.errors": 0,
+    "ember.keys": 0,
     "ember.kernels": 1,
     "ember.attention": 2,
     "ember.lora": 2,
-    "ember.compiler": 3,
-    "ember.runtime": 4,
-    "ember": 5,  # the public API (__init__)
-    "ember.tools": 6,
-    "ember.cli": 7,
-    "ember.entry": 8,  # the `ember` command: starts the kernel build, then runs the CLI
+    "ember.model": 3,
+    "ember.compile": 4,
+    "ember.runtime": 5,
+    "ember": 6,  # the public API (__init__)
+    "ember.tools": 7,
+    "ember.cli": 8,
+    "ember.entry": 9,  # the `ember` command: starts the kernel build, then runs the CLI
 }
 
 

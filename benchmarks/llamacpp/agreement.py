@@ -97,7 +97,7 @@ def agreement(path: str, pairs: list[tuple[list, list]]) -> dict:
     """Teacher-forced ranks in HF fp32 (HF's GGUF loader) of each pair's generated tokens."""
     from transformers import AutoModelForCausalLM
 
-    from ember.compiler.gguf import weight_types
+    from ember.model.gguf.reader import weight_types
     from ember.tools.bench import teacher_forced_ranks
 
     directory, name = os.path.split(path)

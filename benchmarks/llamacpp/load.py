@@ -4,7 +4,7 @@ ember: a fresh process per measurement; after the imports, `LLM(model=FILE)` to 
 with `compile=False` (the load itself) and with `compile=True` from the warm compile cache that
 `ember serve/bench/warmup` use (what a served engine pays), and the process's RSS growth at its
 peak and after (VmHWM restarted after the imports). "ember s" maps back the weights an earlier
-load of the file packed (`ember.compiler.packed_cache`, written by the warm-up loads here);
+load of the file packed (`ember.model.packed_cache`, written by the warm-up loads here);
 "first s" packs them from the file, as a first load does (the cache off, so it writes none).
 llama.cpp: `llama-batched-bench` generating one token, its wall time less the time it reports
 for the batch (model load, context set-up and tear-down). Medians of --repeats.

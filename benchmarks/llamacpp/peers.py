@@ -67,7 +67,7 @@ def llamacpp_run(bin_dir: str, path: str) -> dict:
 
 
 def main() -> None:
-    from ember.host import cpu_description
+    from ember.host.isa import cpu_description
     from ember.tools.bench import alternate, tpots
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

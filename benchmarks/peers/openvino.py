@@ -86,7 +86,7 @@ def export(venv: str, checkpoint: str, weight_format: str) -> str:
 
 
 def main() -> None:
-    from ember.host import cpu_description
+    from ember.host.isa import cpu_description
     from ember.tools.bench import alternate, tpots
 
     here = os.path.dirname(os.path.abspath(__file__))

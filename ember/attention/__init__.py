@@ -83,7 +83,7 @@ class AttentionBackend:
 
     def load_opaque_op(self, cpu_isa: str | None = None) -> Callable[..., torch.Tensor] | None:
         """The op with the cache write left out of its schema, for compiled regions
-        (`ember.compiler.regions`), or None where the backend has none (no regions)."""
+        (`ember.compile.regions`), or None where the backend has none (no regions)."""
         module = importlib.import_module(self.module)
         load = getattr(module, "load_opaque_op", None)
         return load(cpu_isa) if load is not None else None

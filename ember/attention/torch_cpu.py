@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ember import kernels
 from ember.attention.ops import cache_rows, paged_attention_fake, write_kv
-from ember.host import cpu_has_native_bf16
+from ember.host.isa import cpu_has_native_bf16
 from ember.kernels.library import define_op
 
 # Gather destinations, reused across calls and layers: a fresh multi-MB tensor per call is
@@ -298,7 +298,7 @@ paged_attention_op = define_op(
     "paged_attention", paged_attention, paged_attention_fake, mutates_args=("kv_cache",)
 )
 # The same op with the cache write left out of its schema, for compiled regions
-# (`ember.compiler.regions` says why that is sound).
+# (`ember.compile.regions` says why that is sound).
 define_op("paged_attention_opaque", paged_attention, paged_attention_fake)
 define_op("paged_attention_rest", attend_rest, lambda *args: None, mutates_args=("out",))
 

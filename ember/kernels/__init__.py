@@ -37,12 +37,12 @@ weights (GGUF's Q8_0, Q4_0 and Q4_1 blocks; `quantization="int4"`): 8- or 4-bit 
 of 32 k with fp16 scales (and offsets), in panels of output channels with each channel's 4 or 8
 consecutive k in one 32-bit lane, each group's scales ahead of its codes (`scales`/`mins` then
 empty; super-blocks keep theirs per 256 k there); x is quantized to int8 per group of 32 and
-the products are summed in int32 (VNNI / vpmaddubsw); see `ember.compiler.quant.GroupLinear`.
+the products are summed in int32 (VNNI / vpmaddubsw); see `ember.model.layers.GroupLinear`.
 fp16 weights (GGUF's F16 tensors) pack as bf16 ones do and are widened exactly.
 `ember_cpu::group_pack_codes(codes!, scales!, mins!?, row, q, d, m?, bits)` and
 `ember_cpu::group_pack_blocks(codes!, scales!, mins!?, row, blocks, type)` fill those panels
 at load, from rows of codes or straight from a GGUF tensor's bytes (Q8_0, Q4_0, Q4_1, Q5_0,
-Q4_K, Q6_K; `ember.compiler.quant.BLOCK_TYPES`).
+Q4_K, Q6_K; `ember.model.layers.BLOCK_TYPES`).
 
 `ember_cpu::bf16_linear(x, w_bf16, bias?)`: bf16 weights in the checkpoint's [N, K] layout (bf16
 activations on AMX CPUs, and LM heads tied to the input embedding): the
@@ -80,7 +80,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ember.host import cpu_target, native_enables, private_dir, resolve_isa, user_cache_dir
+from ember.host.dirs import private_dir, user_cache_dir
+from ember.host.isa import cpu_target, native_enables, resolve_isa
 
 logger = logging.getLogger("ember")
 

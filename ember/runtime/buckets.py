@@ -1,5 +1,5 @@
 """Shape buckets: pure functions from step sizes to padded sizes (which graph a padded size runs:
-`ember.compiler.capture.CompiledForward.key`).
+`ember.compile.capture.CompiledForward.key`).
 
 Graphs are specialised on `num_tokens` only: `num_seqs` is always a dynamic dimension (only the
 opaque attention op and the logits gather see it). Token counts up to the largest static bucket

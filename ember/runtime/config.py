@@ -23,21 +23,16 @@ import torch
 from ember import kernels
 from ember.attention import BACKEND_NAMES, BackendUnavailableError, select_backend
 from ember.attention.ops import kv_row_width
-from ember.compiler.gguf import has_quantized_weights
-from ember.compiler.hf_config import (
+from ember.host.dirs import default_compile_cache_dir
+from ember.host.isa import CPU_ISAS, check_host_isa, cpu_has_native_bf16, resolve_isa
+from ember.model.gguf.reader import has_quantized_weights
+from ember.model.layers.rewrite import QUANTIZATIONS
+from ember.model.spec import (
     LOAD_FORMATS,
     ModelSpec,
     check_weights_format,
     read_model_spec,
     resolve_model,
-)
-from ember.compiler.quant import QUANTIZATIONS
-from ember.host import (
-    CPU_ISAS,
-    check_host_isa,
-    cpu_has_native_bf16,
-    default_compile_cache_dir,
-    resolve_isa,
 )
 from ember.runtime.pooling import max_seq_length
 from ember.runtime.speculative import SpeculativeConfig
@@ -371,7 +366,7 @@ class EngineArgs:
 def _can_compile() -> bool:
     """Whether graphs can compile here; without a C++ compiler (inductor builds C++ kernels)
     engines run eagerly, which is said once per process."""
-    from ember.compiler.inductor import cpp_compiler_missing
+    from ember.compile.inductor import cpp_compiler_missing
 
     why = cpp_compiler_missing()
     if why is not None:
@@ -384,7 +379,7 @@ def _can_compile() -> bool:
 def _compile_cache_dir(requested: str | None, freeze_weights: bool) -> str | None:
     """The compile cache an engine uses: `requested`, or for "auto" (the default, as vLLM
     caches by default) ember's own under the user cache dir, which keeps its most recently
-    used entries (`ember.compiler.cache.COMPILE_CACHE_MAX_BYTES`). None: no cache ("" or None;
+    used entries (`ember.compile.cache.COMPILE_CACHE_MAX_BYTES`). None: no cache ("" or None;
     "auto" with frozen weights, which cannot be cached, or EMBER_DISABLE_COMPILE_CACHE=1)."""
     if requested != "auto":
         return requested or None
@@ -556,7 +551,7 @@ class EngineConfig:
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     background_compile: bool = False
     speculative_config: SpeculativeConfig | None = None
-    regional_compile: bool | None = None  # None: by layer count (`ember.compiler.regions`)
+    regional_compile: bool | None = None  # None: by layer count (`ember.compile.regions`)
     # Quantized linears quantize their input to int8 (False: fp32 activations, int8 only).
     quantize_activations: bool = True
 

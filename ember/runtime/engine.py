@@ -20,11 +20,11 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import torch
 
 from ember.attention import get_backend
-from ember.compiler.capture import prewarm_graph_imports
-from ember.compiler.loader import LoadedModel, LoRAShape, load_model
-from ember.host import collapse_to_huge_pages
+from ember.compile.capture import prewarm_graph_imports
+from ember.host.memory import collapse_to_huge_pages
 from ember.lora.adapter import LoRARequest
 from ember.lora.manager import LoRAManager
+from ember.model.loader import LoadedModel, LoRAShape, load_model
 from ember.runtime.block_manager import BlockManager
 from ember.runtime.config import EngineConfig, KVCacheSpec
 from ember.runtime.draft import DraftProposer, draft_engine_args

@@ -19,22 +19,21 @@ from tqdm.auto import tqdm
 
 from ember.attention import get_backend
 from ember.attention.metadata import NULL_BLOCK
-from ember.compiler import cache
-from ember.compiler.capture import (
+from ember.compile import cache
+from ember.compile.capture import CompiledForward, Forward, build_forwards
+from ember.compile.inductor import compile_settings, vec_isa_probes
+from ember.compile.regions import use_regions
+from ember.compile.workers import (
     BackgroundGraphs,
-    CompiledForward,
-    Forward,
     GraphJob,
-    build_forwards,
     can_compile_in_background,
     compile_workers,
     prepare_graphs,
 )
-from ember.compiler.inductor import compile_settings, vec_isa_probes
-from ember.compiler.loader import LoadedModel
-from ember.compiler.regions import use_regions
-from ember.host import private_dir, zeroed_lazily
+from ember.host.dirs import private_dir
+from ember.host.memory import zeroed_lazily
 from ember.lora.manager import LoRAManager
+from ember.model.loader import LoadedModel
 from ember.runtime.batch import (
     DecodeBuffers,
     ForwardBatch,
@@ -94,7 +93,7 @@ class ModelRunner:
         self.buckets = config.token_buckets
         self.decode_buffers = DecodeBuffers()
         self.background: BackgroundGraphs | None = None  # graphs compiling (background_compile)
-        # Decoder layers compiled as regions (`ember.compiler.regions`)?
+        # Decoder layers compiled as regions (`ember.compile.regions`)?
         self.regions = config.compile and use_regions(
             loaded.model,
             config.regional_compile,

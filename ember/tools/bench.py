@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from ember import kernels
-from ember.compiler.hf_config import is_gguf
-from ember.host import user_cache_dir
+from ember.host.dirs import user_cache_dir
+from ember.model.spec import is_gguf
 from ember.runtime.request import SamplingParams
 from ember.tools.checkpoints import build_checkpoint
 
@@ -159,11 +159,12 @@ def run_ember_child(
     import subprocess
     import sys
 
-    from ember import host
+    from ember.host import isa as host
+    from ember.host import memory as host_memory
 
     env = dict(os.environ)
     if cpu_isa == "avx2":
-        env.update({host.HOST_ISA_ENV: "avx2"}, **host.AVX2_ENV)
+        env.update({host.HOST_ISA_ENV: "avx2"}, **host_memory.AVX2_ENV)
     chosen = [(w, WORKLOADS[w]) if isinstance(w, str) else (w.name, w) for w in workloads]
     spec = {"model": model, "repeats": repeats, "engine": {"cpu_isa": cpu_isa, **engine_args},
             "workloads": [(key, dataclasses.asdict(w)) for key, w in chosen]}  # fmt: skip
@@ -279,7 +280,7 @@ def teacher_forced_ranks(model: Any, prompt: list[int], generated: list[int]) ->
 
 def count_vec_isa_probes() -> list[str]:
     """From now on in this process, every vector-ISA probe inductor runs (a child Python
-    loading a test library, ~0.2 s each; see `ember.compiler.inductor.vec_isa_probes`) appends
+    loading a test library, ~0.2 s each; see `ember.compile.inductor.vec_isa_probes`) appends
     its library's path to the list returned: what a start-up measurement counts."""
     from torch._inductor import cpu_vec_isa
 
@@ -460,7 +461,7 @@ _GEMM_OPS = ("aten::mm", "aten::addmm", "aten::linear")
 _ATTENTION_OPS = (
     "ember_cpu::paged_attention",
     "ember::paged_attention",
-    "ember_cpu::paged_attention_opaque",  # in compiled regions (ember.compiler.regions)
+    "ember_cpu::paged_attention_opaque",  # in compiled regions (ember.compile.regions)
     "ember::paged_attention_opaque",
     "ember::paged_attention_ipex",
     "ember::paged_attention_triton",

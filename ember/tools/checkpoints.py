@@ -29,7 +29,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from ember.host import user_cache_dir
+from ember.host.dirs import user_cache_dir
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single

@@ -370,7 +370,7 @@ def test_torch_backend_ops_agree_and_opcheck(op_name, softcap):
     "op_name", ["ember::paged_attention_opaque", "ember_cpu::paged_attention_opaque"]
 )
 def test_opaque_ops_are_the_ops_without_the_cache_in_their_schema(op_name):
-    """Compiled regions (`ember.compiler.regions`) call the torch backend's op under a schema
+    """Compiled regions (`ember.compile.regions`) call the torch backend's op under a schema
     that declares no mutation: the same arguments and result, the same output on the oracle's
     mixed step (whose prefill reads what the op wrote to the cache). opcheck without its
     schema test, which by design would find the undeclared cache write."""

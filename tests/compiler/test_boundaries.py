@@ -1,4 +1,4 @@
-"""The opaque-op list (`ember.compiler.boundaries`) names real ops, each registered by the module
+"""The opaque-op list (`ember.compile.boundaries`) names real ops, each registered by the module
 it names, and the ops not opchecked elsewhere pass `torch.library.opcheck`."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ember import kernels
-from ember.compiler.boundaries import OPAQUE_OPS, register
+from ember.compile.boundaries import OPAQUE_OPS, register
 
 
 def _optional_backend_missing(module: str) -> bool:
@@ -108,8 +108,8 @@ def test_compile_cache_key_covers_the_rewritten_model_structure(checkpoint_dir):
     head) are keyed apart: the key hashes module types and tensor names, shapes and dtypes."""
     from transformers import AutoModelForCausalLM
 
-    from ember.compiler.cache import modules_fingerprint
-    from ember.compiler.quant import use_kernel_linears_
+    from ember.compile.cache import modules_fingerprint
+    from ember.model.layers.rewrite import use_kernel_linears_
 
     d = checkpoint_dir("tiny-qwen2", tie_word_embeddings=True)
     a, b = (AutoModelForCausalLM.from_pretrained(d) for _ in range(2))

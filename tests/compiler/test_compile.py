@@ -24,7 +24,7 @@ from tests.e2e.test_generate_hf import run_staggered
 
 
 def flat_calls(llm: LLM) -> int:
-    """How many of the engine's graphs run as `ember.compiler.flat_call`s."""
+    """How many of the engine's graphs run as `ember.compile.flat_call`s."""
     forwards = llm.llm_engine.runner.forwards.compiled()
     return sum(hasattr(g, "__wrapped__") for _, f in forwards for g in f.graphs.values())
 
@@ -54,7 +54,7 @@ def test_dynamic_token_graph_is_compiled_for_the_token_budget():
 
     import torch
 
-    from ember.compiler.capture import _mark_step_dynamic
+    from ember.compile.capture import _mark_step_dynamic
 
     def step():
         meta = SimpleNamespace(
@@ -359,8 +359,8 @@ def test_one_token_step_runs_the_lm_head_on_one_row(checkpoint_dir, tmp_path, fa
 
 _COMPILE_ODD_WIDTHS = """
 import torch
-from ember import host
-from ember.compiler.inductor import compile_settings
+from ember.host import isa as host
+from ember.compile.inductor import compile_settings
 
 def step(a, b):  # rows of 40 and 96 floats: whole 8-lane vectors, not 16-lane ones
     return torch.cat([a[:, 96:136] * 2, b[:, :96] * b[:, 96:]], dim=1)
@@ -381,7 +381,7 @@ def test_graphs_compiled_for_one_vector_isa_are_not_served_to_another(tmp_path):
     AVX-512 process was served an AVX2 process's code from the shared inductor cache, built it
     with AVX-512 flags and wrote past its buffers (heap corruption), and the other way round
     left half of each row unwritten."""
-    from ember.host import beyond_avx2
+    from ember.host.isa import beyond_avx2
 
     if not beyond_avx2():
         pytest.skip("this CPU has no vector ISA past AVX2 to mix with it")

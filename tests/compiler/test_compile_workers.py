@@ -1,4 +1,4 @@
-"""Graphs compiled at once by forked compile workers (`capture.prepare_graphs`), with a fake
+"""Graphs compiled at once by forked compile workers (`capture_workers.prepare_graphs`), with a fake
 forward standing in for `CompiledForward` (the real compiles are in the engine tests, which
 run them on every machine with 2 cores or more)."""
 
@@ -11,8 +11,9 @@ import time
 
 import pytest
 
-from ember.compiler import capture
-from ember.compiler.capture import GraphJob, compile_workers, prepare_graphs
+from ember.compile import capture
+from ember.compile import workers as capture_workers
+from ember.compile.workers import GraphJob, compile_workers, prepare_graphs
 
 
 class FakeForward:
@@ -85,7 +86,7 @@ def scratch(tmp_path, monkeypatch):
         made.append(path)
         return str(path)
 
-    monkeypatch.setattr(capture.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(capture_workers.tempfile, "mkdtemp", mkdtemp)
     return made
 
 
@@ -153,7 +154,7 @@ def test_a_failed_worker_leaves_its_graphs_to_this_process(caplog, scratch):
 def test_a_stuck_worker_is_stopped_and_its_graph_compiled_here(
     tmp_path, caplog, monkeypatch, scratch
 ):
-    monkeypatch.setattr(capture, "WORKER_GRACE_S", 0.5)
+    monkeypatch.setattr(capture_workers, "WORKER_GRACE_S", 0.5)
     forward = FakeForward(worker="hang")
     jobs = [GraphJob(forward, (i,), str(tmp_path / f"g{i}.graph")) for i in range(2)]
     start = time.monotonic()
@@ -217,7 +218,7 @@ def test_background_graphs_load_the_cached_at_once_and_compile_the_rest_in_worke
     jobs = [GraphJob(forward, ("a",), None), GraphJob(forward, ("b",), str(tmp_path / "b.graph")),
             GraphJob(forward, ("c",), str(cached))]  # fmt: skip
     readied: list = []
-    background = capture.BackgroundGraphs(jobs, 2, readied.append, contextlib.nullcontext)
+    background = capture_workers.BackgroundGraphs(jobs, 2, readied.append, contextlib.nullcontext)
     me = os.getpid()
     assert readied == [jobs[2]] and forward.log == [("load", me, "from the cache")]
     assert forward.eager_fallback  # steps run eagerly until every graph is in
@@ -235,7 +236,7 @@ def test_a_failed_background_worker_leaves_its_graphs_to_the_next_poll(caplog, s
     forward = FakeForward("fail")
     jobs = [GraphJob(forward, (i,), None) for i in range(2)]
     readied: list = []
-    background = capture.BackgroundGraphs(jobs, 2, readied.append, contextlib.nullcontext)
+    background = capture_workers.BackgroundGraphs(jobs, 2, readied.append, contextlib.nullcontext)
     with caplog.at_level(logging.WARNING, logger="ember"):
         assert background.poll(block=True)
     assert sorted(readied, key=jobs.index) == jobs
@@ -246,7 +247,7 @@ def test_a_failed_background_worker_leaves_its_graphs_to_the_next_poll(caplog, s
 
 def test_stopping_background_graphs_stops_their_workers(scratch):
     forward = FakeForward("hang")
-    background = capture.BackgroundGraphs(
+    background = capture_workers.BackgroundGraphs(
         [GraphJob(forward, (0,), None)], 1, lambda job: None, contextlib.nullcontext
     )
     assert not background.poll()  # still compiling
@@ -263,7 +264,7 @@ def test_inductors_runtime_imports_on_one_thread_while_weights_load():
 
     code = (
         "import sys, threading\n"
-        "from ember.compiler import capture\n"
+        "from ember.compile import capture\n"
         "assert 'torch._inductor.select_algorithm' not in sys.modules\n"
         "capture.prewarm_graph_imports(); first = capture._prewarm\n"
         "capture.prewarm_graph_imports(); assert capture._prewarm is first\n"

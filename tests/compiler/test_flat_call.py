@@ -1,4 +1,4 @@
-"""Flat calls (`ember.compiler.flat_call`): an `aot_compile`d graph called without Dynamo's
+"""Flat calls (`ember.compile.flat_call`): an `aot_compile`d graph called without Dynamo's
 pre-graph bytecode gives what the graph gives, sees in-place changes to what the forward closes
 over, replays the bytecode's side effects, and is refused where the bytecode does anything a
 flat call would not repeat. The graphs here use Dynamo's eager backend (no inductor compile)."""
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.compiler.flat_call import flat_call
+from ember.compile.flat_call import flat_call
 
 
 @dataclass

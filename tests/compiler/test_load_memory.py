@@ -1,5 +1,5 @@
 """A checkpoint's weights, converted into ember's layouts while loading, give their pages of the
-checkpoint's file mapping back as they go (`ember.compiler.loader.CheckpointPages`), without
+checkpoint's file mapping back as they go (`ember.model.loader.CheckpointPages`), without
 changing what the model computes; quantizing never widens a whole weight to fp32."""
 
 from __future__ import annotations
@@ -9,8 +9,11 @@ import os
 import pytest
 import torch
 
-from ember.compiler import quant
-from ember.compiler.loader import CheckpointPages
+from ember.model.layers import group as quant_group
+from ember.model.layers import packed as quant_packed
+from ember.model.layers import panels as quant_panels
+from ember.model.layers import rewrite as quant
+from ember.model.loader import CheckpointPages
 from tests.conftest import load_rss_mib
 
 # Wide enough that every projection spans whole pages of the mapping.
@@ -93,8 +96,8 @@ def test_int8_and_int4_quantize_a_weight_a_chunk_at_a_time():
 
     kernels.load()
     w = torch.randn(1000, 4096, dtype=torch.bfloat16)
-    assert quant.row_chunk(4096) < 1000  # several chunks
-    codes, scales = quant._quantize_int8_rows(w)
+    assert quant_panels.row_chunk(4096) < 1000  # several chunks
+    codes, scales = quant_packed._quantize_int8_rows(w)
     whole = w.float()
     want_scales = whole.abs().amax(dim=1).clamp(min=1e-12) / 127.0
     want_codes = torch.round(whole / want_scales[:, None]).clamp(-127, 127).to(torch.int8)
@@ -105,7 +108,7 @@ def test_int8_and_int4_quantize_a_weight_a_chunk_at_a_time():
     block = torch.nn.Sequential(linear)
     quant.quantize_int4_(block)
     got = block[0]
-    want = quant.GroupLinear(*quant.quantize_groups(w, 4, False), 4)
+    want = quant_group.GroupLinear(*quant_group.quantize_groups(w, 4, False), 4)
     for name in ("codes", "scales", "mins"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
 

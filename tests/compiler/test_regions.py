@@ -1,4 +1,4 @@
-"""Regional compilation (`ember.compiler.regions`): each distinct decoder layer is traced once
+"""Regional compilation (`ember.compile.regions`): each distinct decoder layer is traced once
 per graph and reused for the others; graphs stay whole (one per bucket, no graph breaks, no
 recompiles) and match HF transformers."""
 
@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from ember import LLM, SamplingParams
-from ember.compiler.regions import MIN_LAYERS, decoder_layers, use_regions
+from ember.compile.regions import MIN_LAYERS, decoder_layers, use_regions
 from tests.compiler.test_compile import flat_calls
 from tests.conftest import hf_greedy, make_prompts
 from tests.e2e.test_generate_hf import run_staggered

@@ -1,6 +1,6 @@
 """A checkpoint's model, as the loader built it (fused, packed, quantized), is kept in ember's
 weights cache and mapped back by the next load of the same checkpoint with the same settings
-(`ember.compiler.packed_cache`; the GGUF side is tested in tests/e2e/test_gguf.py)."""
+(`ember.model.packed_cache`; the GGUF side is tested in tests/e2e/test_gguf.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from ember.compiler import packed_cache
-from ember.host import in_file_map
+from ember.host.memory import in_file_map
+from ember.model import packed_cache
 from ember.tools.checkpoints import build_tiny_mllama
 from tests.conftest import build_tiny_bart, build_tiny_bert, make_prompts
 
@@ -115,13 +115,13 @@ def test_the_sources_fingerprint_covers_the_kernel_headers(tmp_path, monkeypatch
     import shutil
 
     import ember
-    from ember.compiler import cache
+    from ember import keys
 
     root = os.path.dirname(os.path.abspath(ember.__file__))
     copy = tmp_path / "ember"
     shutil.copytree(root, copy, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    monkeypatch.setattr(cache, "__file__", str(copy / "compiler" / "cache.py"))
-    fingerprint = cache.sources_fingerprint.__wrapped__  # the cached one is per process
+    monkeypatch.setattr(keys, "__file__", str(copy / "keys.py"))
+    fingerprint = keys.sources_fingerprint.__wrapped__  # the cached one is per process
     base = fingerprint()
     headers = sorted((copy / "kernels" / "csrc").glob("*.h"))
     assert headers

@@ -68,8 +68,8 @@ def test_int8_embeddings_stay_close_to_hf_fp32(tiny_bert, compile):
     """`quantization="int8"` on an embedding model: every linear holds int8 codes and
     multiplies int8 activations, quantized per token (oneDNN's int8 GEMM); the embeddings stay
     within cosine 0.99 of HF's fp32 ones."""
-    from ember.compiler.quant import Int8Linear
-    from ember.host import cpu_has_int8_dot
+    from ember.host.isa import cpu_has_int8_dot
+    from ember.model.layers.packed import Int8Linear
 
     prompts = make_prompts(9, seed=4, low=2, high=60, vocab=300)
     with LLM(

@@ -17,13 +17,9 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from ember.compiler.quant import (
-    FusedSlice,
-    GroupEmbedding,
-    GroupLinear,
-    PackedEmbedding,
-    PackedLinear,
-)
+from ember.model.layers.group import GroupEmbedding, GroupLinear
+from ember.model.layers.packed import PackedEmbedding, PackedLinear
+from ember.model.layers.rewrite import FusedSlice
 from ember.tools.bench import teacher_forced_ranks
 from ember.tools.gguf_writer import write_gguf
 from tests.conftest import group_quantized_x, huge_page_kib, load_rss_mib, make_prompts
@@ -165,12 +161,13 @@ def test_the_converted_tokenizer_is_cached_and_read_back_equal(
     the converted one; a changed file or an unreadable cache entry is converted again."""
     import shutil
 
-    from ember.compiler import gguf as ember_gguf
+    from ember.model.gguf import cache as ember_gguf_cache
+    from ember.model.gguf import hf as ember_gguf_hf
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = shutil.copy(gguf_file("tiny-llama", "Q8_0"), tmp_path / "model.gguf")
-    converted = ember_gguf.load_gguf_tokenizer(path)
-    entry = ember_gguf._cache_entry(path, "tokenizer")
+    converted = ember_gguf_hf.load_gguf_tokenizer(path)
+    entry = ember_gguf_cache._cache_entry(path, "tokenizer")
     assert os.path.isfile(entry)
     assert os.stat(os.path.dirname(entry)).st_mode & 0o777 == 0o700
 
@@ -178,8 +175,8 @@ def test_the_converted_tokenizer_is_cached_and_read_back_equal(
         raise AssertionError("the tokenizer was converted again")
 
     with monkeypatch.context() as m:
-        m.setattr(ember_gguf, "_shared_reader", no_conversion)
-        cached = ember_gguf.load_gguf_tokenizer(path)
+        m.setattr(ember_gguf_hf, "_shared_reader", no_conversion)
+        cached = ember_gguf_hf.load_gguf_tokenizer(path)
     assert type(cached) is type(converted)
     for text in ("The quick brown fox, hello world 123", " leading space", "ünïcödé  tabs\t"):
         ids = converted(text)["input_ids"]
@@ -195,13 +192,13 @@ def test_the_converted_tokenizer_is_cached_and_read_back_equal(
 
     stat = os.stat(path)
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    assert ember_gguf._cache_entry(path, "tokenizer") != entry  # an edited file: converted again
+    assert ember_gguf_cache._cache_entry(path, "tokenizer") != entry  # an edited file: converted again
 
-    broken = ember_gguf._cache_entry(path, "tokenizer")
+    broken = ember_gguf_cache._cache_entry(path, "tokenizer")
     with open(broken, "wb") as f:
         f.write(b"not a pickle")
     with caplog.at_level("WARNING", logger="ember"):
-        again = ember_gguf.load_gguf_tokenizer(path)
+        again = ember_gguf_hf.load_gguf_tokenizer(path)
     assert "converting the tokenizer again" in caplog.text
     assert again("hello world")["input_ids"] == converted("hello world")["input_ids"]
 
@@ -215,7 +212,8 @@ def test_a_cached_load_reads_the_files_index_or_a_light_reader(gguf_file, tmp_pa
     them back reads no tensor of the file.)"""
     import shutil
 
-    from ember.compiler import gguf as ember_gguf
+    from ember.model.gguf import cache as ember_gguf_cache
+    from ember.model.gguf import reader as ember_gguf
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("EMBER_WEIGHTS_CACHE_GB", "0")
@@ -236,7 +234,7 @@ def test_a_cached_load_reads_the_files_index_or_a_light_reader(gguf_file, tmp_pa
     assert opened == [False]
     load()
     assert opened == [False]  # from the index
-    index = ember_gguf._cache_entry(path, "index")
+    index = ember_gguf_cache._cache_entry(path, "index")
     os.unlink(index)
     load()
     assert opened == [False, True]  # no index: a light reader, which writes it again
@@ -292,15 +290,15 @@ def test_tokenizers_are_cached_with_string_merges_where_that_reads_back_the_same
     token has a space; either way the tokenizer reads back to the same JSON."""
     from tokenizers import Tokenizer, models
 
-    from ember.compiler import gguf as ember_gguf
+    from ember.model.gguf import cache as ember_gguf_cache
 
     vocab = {"a": 0, "b": 1, "ab": 2, "\n": 3, "\n\n": 4, "c d": 5, "e": 6, "c de": 7}
     plain = Tokenizer(models.BPE(vocab, [("a", "b"), ("\n", "\n")]))
     spaced = Tokenizer(models.BPE(vocab, [("a", "b"), ("c d", "e")]))
     for tokenizer, strings in ((plain, True), (spaced, False)):
         buf = io.BytesIO()
-        ember_gguf._Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump({"t": tokenizer})
-        _, (saved,) = ember_gguf._Pickler(io.BytesIO()).reducer_override(tokenizer)
+        ember_gguf_cache._Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump({"t": tokenizer})
+        _, (saved,) = ember_gguf_cache._Pickler(io.BytesIO()).reducer_override(tokenizer)
         merges = json.loads(saved)["model"]["merges"]
         assert all(isinstance(m, str) for m in merges) == strings
         back = pickle.loads(buf.getvalue())["t"]
@@ -315,7 +313,8 @@ def test_the_readers_metadata_equals_the_gguf_packages_own_parse(tmp_path):
     ASCII), floats and ints, short arrays and scalars too."""
     from transformers import modeling_gguf_pytorch_utils as utils
 
-    from ember.compiler import gguf as ember_gguf
+    from ember.model.gguf import hf as ember_gguf_hf
+    from ember.model.gguf import reader as ember_gguf
 
     path = str(tmp_path / "meta.gguf")
     writer = gguf.GGUFWriter(path, "llama")
@@ -337,7 +336,7 @@ def test_the_readers_metadata_equals_the_gguf_packages_own_parse(tmp_path):
     ours, theirs = ember_gguf._open(path), gguf.GGUFReader(path)
     assert ours.fields.keys() == theirs.fields.keys()
     original = utils._gguf_parse_value
-    with ember_gguf._fast_value_parser():
+    with ember_gguf_hf._fast_value_parser():
         fast = utils._gguf_parse_value
     assert utils._gguf_parse_value is original and fast is not original
     for key, want in theirs.fields.items():
@@ -360,8 +359,8 @@ def test_group_linear_from_blocks_reads_ggml_layouts_exactly(chunked, packer, mo
     as the package's own dequantizer, converted at once or a panel of rows at a time, by the
     kernels' packer straight from the blocks or by the converters (while a build compiles)."""
     from ember import kernels
-    from ember.compiler import gguf as ember_gguf
-    from ember.compiler.gguf import group_linear_from_blocks
+    from ember.model.gguf import convert as ember_gguf
+    from ember.model.gguf.convert import group_linear_from_blocks
 
     kernels.load()
     if chunked:
@@ -398,8 +397,8 @@ def test_the_kernels_pack_file_blocks_as_the_converters_do(qtype, monkeypatch):
     the same panels as the converters (their reference): random blocks, rows past a panel
     and chunked (K-quants in super-blocks); bad calls are refused."""
     from ember import kernels
-    from ember.compiler import gguf as ember_gguf
-    from ember.compiler.gguf import group_linear_from_file
+    from ember.model.gguf import convert as ember_gguf
+    from ember.model.gguf.convert import group_linear_from_file
 
     kernels.load()
     panel = kernels.panel_width()
@@ -433,7 +432,8 @@ def test_row_orders_are_what_the_tensor_processors_do_to_rows():
     tensors, and False for a processor that changes values (Gemma's norm offset)."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
-    from ember.compiler.gguf import _permute_rows, _row_order
+    from ember.model.gguf.convert import _permute_rows
+    from ember.model.gguf.load import _row_order
 
     config = {"num_attention_heads": 4, "num_key_value_heads": 2}
     llama = TENSOR_PROCESSORS["llama"](config=config)
@@ -454,7 +454,7 @@ def test_k_quants_are_kept_as_the_file_holds_them(qtype):
     the file's size (4.5 and 6.5 bits a weight, plus d (and dmin) per 256): their values are
     exactly the `gguf` package's dequantized ones, and the kernel's products are exact int32
     sums of the int8-quantized x (only fp32 scaling differs)."""
-    from ember.compiler.gguf import group_linear_from_values
+    from ember.model.gguf.convert import group_linear_from_values
 
     raw = _random_blocks(qtype, 5, 512)
     if qtype == "Q4_K":
@@ -480,7 +480,7 @@ def test_k_quants_are_kept_as_the_file_holds_them(qtype):
 def test_other_types_requantize_to_8_bit_groups_within_half_a_step(qtype):
     """K-quants (which the `gguf` package cannot write) from random blocks: the package's
     dequantized values, requantized to Q8_0-style groups, each within half a step."""
-    from ember.compiler.gguf import group_linear_from_values
+    from ember.model.gguf.convert import group_linear_from_values
 
     raw = _random_blocks(qtype, 5, 512)
     ggml_type = gguf.GGMLQuantizationType[qtype]
@@ -502,8 +502,9 @@ def test_other_types_requantize_to_8_bit_groups_within_half_a_step(qtype):
 def test_a_tensor_whose_shape_disagrees_with_the_config_is_named(gguf_file, field, module):
     """Fused projections (gate/up, converted straight into one linear) and single tensors
     alike are checked against the config before they are converted."""
-    from ember.compiler.gguf import load_gguf_model
-    from ember.compiler.hf_config import UnsupportedModelError, read_model_spec
+    from ember.errors import UnsupportedModelError
+    from ember.model.gguf.load import load_gguf_model
+    from ember.model.spec import read_model_spec
 
     path = gguf_file("tiny-llama", "Q8_0")
     spec = read_model_spec(path)
@@ -570,8 +571,8 @@ def test_gguf_quantized_weights_are_packed_into_one_huge_page_arena(gguf_file, q
     """Every linear's packed weight, and the F16 file's (untied) table, in one arena (a first
     load's: the packed-weights cache is off here)."""
     from ember import LLM, SamplingParams
-    from ember.compiler.quant import GroupLinear
-    from ember.host import _in_huge_map, collapse_to_huge_pages, huge_pages_available
+    from ember.host.memory import _in_huge_map, collapse_to_huge_pages, huge_pages_available
+    from ember.model.layers.group import GroupLinear
 
     monkeypatch.setenv("EMBER_WEIGHTS_CACHE_GB", "0")
     llm = LLM(model=gguf_file("tiny-llama", qtype), compile=False, kv_cache_gib=0.05)
@@ -630,9 +631,9 @@ def test_a_second_load_maps_the_packed_weights_back(
     maps it back: every tensor a view of the entry's file (nothing packed, nothing copied into
     anonymous memory), equal to the first load's, the same modules, ties kept (the Qwen2 files
     tie their head to the table), and the same greedy tokens and logprobs, compiled too."""
-    from ember.compiler import packed_cache
-    from ember.compiler.cache import modules_fingerprint
-    from ember.host import in_file_map
+    from ember.compile.cache import modules_fingerprint
+    from ember.host.memory import in_file_map
+    from ember.model import packed_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = gguf_file(shape, qtype, tie_word_embeddings=shape == "tiny-qwen2")
@@ -671,8 +672,8 @@ def test_the_weights_cache_is_rebuilt_capped_or_off(gguf_file, tmp_path, monkeyp
     turns the cache off; a model that cannot be pickled loads as before, uncached."""
     import shutil
 
-    from ember.compiler import gguf as ember_gguf
-    from ember.compiler import packed_cache
+    from ember.model import packed_cache
+    from ember.model.gguf import load as ember_gguf_load
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = str(shutil.copy(gguf_file("tiny-llama", "Q8_0"), tmp_path / "model.gguf"))
@@ -706,14 +707,14 @@ def test_the_weights_cache_is_rebuilt_capped_or_off(gguf_file, tmp_path, monkeyp
     assert load() == want and entries() == []
 
     monkeypatch.setenv("EMBER_WEIGHTS_CACHE_GB", "1")
-    real = ember_gguf.load_gguf_model
+    real = ember_gguf_load.load_gguf_model
 
     def unpicklable(*args, **kwargs):
         model = real(*args, **kwargs)
         model.hook = lambda: None  # a lambda cannot be pickled
         return model
 
-    monkeypatch.setattr(ember_gguf, "load_gguf_model", unpicklable)
+    monkeypatch.setattr(ember_gguf_load, "load_gguf_model", unpicklable)
     assert load() == want and entries() == []
     with pytest.raises(ValueError, match="EMBER_WEIGHTS_CACHE_GB"):
         monkeypatch.setenv("EMBER_WEIGHTS_CACHE_GB", "lots")

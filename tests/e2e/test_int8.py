@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from ember import LLM, EngineArgs, SamplingParams
-from ember.compiler.quant import Int8Linear, quantize_int8_
+from ember.model.layers.packed import Int8Linear
+from ember.model.layers.rewrite import quantize_int8_
 from ember.tools import bench
 from tests.conftest import make_prompts
 
@@ -95,7 +96,7 @@ def test_per_token_int8_matches_an_integer_reference(bias, tokens, in_features):
     """Embedding models' int8 linears (`per_token`): x quantized per row (scale max|x| / 127),
     oneDNN's int8 GEMM, the int32 sums scaled once: equal to a numpy int64 reference up to
     fp32 rounding, any input size, compiled too."""
-    from ember.host import cpu_has_int8_dot
+    from ember.host.isa import cpu_has_int8_dot
 
     torch.manual_seed(in_features + tokens)
     linear = nn.Linear(in_features, 33, bias=bias)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams, kernels
-from ember.host import cpu_has_native_bf16
+from ember.host.isa import cpu_has_native_bf16
 from ember.tools.bench import teacher_forced_ranks
 from tests.conftest import build_tiny_bart, build_tiny_bert, hf_bart_greedy, hf_greedy, make_prompts
 from tests.host_isa import needs_fp32_math
@@ -125,8 +125,8 @@ def test_a_tied_head_is_packed_once_and_the_lookup_reads_it(checkpoint_dir, dtyp
     fp32; bf16 weights: within HF bf16's top 5."""
     from transformers import AutoModelForCausalLM
 
-    from ember.compiler.quant import GemvLinear, PackedEmbedding, PackedLinear
-    from ember.host import cpu_has_amx
+    from ember.host.isa import cpu_has_amx
+    from ember.model.layers.packed import GemvLinear, PackedEmbedding, PackedLinear
 
     ckpt_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     d = checkpoint_dir("tiny-qwen2", dtype=ckpt_dtype, tie_word_embeddings=True)
@@ -167,8 +167,9 @@ def test_a_head_tied_to_a_scaled_table_is_packed_and_the_lookup_scales_rows(weig
     weights in fp32."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from ember.compiler.loader import _widen_all_but_linear_weights
-    from ember.compiler.quant import PackedEmbedding, PackedLinear, use_kernel_linears_
+    from ember.model.layers.packed import PackedEmbedding, PackedLinear
+    from ember.model.layers.rewrite import use_kernel_linears_
+    from ember.model.loader import _widen_all_but_linear_weights
 
     if not kernels.available():
         pytest.skip("ember's C++ kernels cannot be built here")

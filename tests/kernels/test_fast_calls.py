@@ -19,7 +19,7 @@ def _fast(name: str):
 
 
 def _group_args(rows: int = 3, n: int = 45, k: int = 64, bias: bool = True):
-    from ember.compiler.quant import GroupLinear, quantize_groups
+    from ember.model.layers.group import GroupLinear, quantize_groups
 
     g = torch.Generator().manual_seed(rows * 100 + n)
     w = torch.randn(n, k, generator=g)

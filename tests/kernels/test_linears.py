@@ -158,7 +158,8 @@ def test_packed_linear_from_weights_packs_as_the_kernel_packs_their_rows_side_by
     """Parts of odd sizes (the last one ends inside a panel), a bias on some parts only, a
     row permutation gathered a chunk at a time (wider than one chunk), as a GGUF load packs
     a fused projection straight from the file."""
-    from ember.compiler.quant import PackedLinear, row_chunk
+    from ember.model.layers.packed import PackedLinear
+    from ember.model.layers.panels import row_chunk
 
     panel = kernels.panel_width()
     k = 67
@@ -304,7 +305,7 @@ def _group_case(rows: int, n: int, k: int, bits: int, symmetric: bool, bias: boo
 def test_group_linear_matches_float64(bits, symmetric, rows, n, k):
     """Every row-block size (a single row has its own chains), partial panels, a single
     channel, k past one 1024-deep slice; exact int32 sums, so only fp32 scaling differs."""
-    from ember.compiler.quant import GroupLinear
+    from ember.model.layers.group import GroupLinear
 
     x, codes, scales, mins, b, ref, w = _group_case(rows, n, k, bits, symmetric, bias=n != 64)
     linear = GroupLinear(codes, scales, mins, bits, b)
@@ -327,7 +328,7 @@ def test_group_linear_sums_at_the_code_and_activation_extremes(bits, symmetric, 
     """Every code at the top (or bottom) of its range against every x at +-127 after
     quantization: the largest integer sums a group can make, exact (the kernels without VNNI
     add byte products in int16 lanes before widening; an overflow would wrap)."""
-    from ember.compiler.quant import GroupLinear
+    from ember.model.layers.group import GroupLinear
 
     n, k = 40, 96
     high = {8: 127, 6: 63, 5: 31, 4: 15}[bits]
@@ -351,7 +352,7 @@ def test_group_linear_from_row_chunks_equals_one_pass(bits, symmetric, monkeypat
     buffers as packing the weight at once, and the kernels' packer (`group_pack_codes`) the
     same bytes as the PyTorch re-layout it replaces (used while a first build compiles);
     chunks that do not start a panel, or too few rows, are refused."""
-    from ember.compiler.quant import GroupLinear
+    from ember.model.layers.group import GroupLinear
 
     n, k = 5 * kernels.panel_width() + 3, 96
     _, codes, scales, mins, b, _, _ = _group_case(1, n, k, bits, symmetric)
@@ -387,7 +388,7 @@ def test_group_linear_from_row_chunks_equals_one_pass(bits, symmetric, monkeypat
 
 
 def test_group_linear_contract():
-    from ember.compiler.quant import GroupLinear, quantize_groups
+    from ember.model.layers.group import GroupLinear, quantize_groups
 
     x, codes, scales, mins, b, _, _ = _group_case(5, 45, 64, 4, False)
     linear = GroupLinear(codes, scales, mins, 4, b)
@@ -457,7 +458,7 @@ def _super_case(rows: int, n: int, k: int, bits: int, bias: bool = True):
     """Random super-block rows (`SuperRows`) and the float64 product of the quantized x with
     their values written out: w = d sc q + dm m (Q4_K: 6-bit sc and m per 32, fp16 d and dm
     per 256) or d sc (q - 32) (Q6_K: int8 sc per 16, fp16 d per 256)."""
-    from ember.compiler.quant import SuperRows
+    from ember.model.layers.group import SuperRows
 
     g = torch.Generator().manual_seed(rows * 7919 + n * 31 + k + bits + 1)
     x = torch.randn(rows, k, generator=g)
@@ -490,7 +491,7 @@ def test_super_block_linear_matches_float64(bits, rows, n, k):
     """Every row-block size, partial panels, a single channel, super-blocks across 1024-deep
     slices: exact int32 sums, so only fp32 scaling differs; the rows the embedding gathers
     are the weight's values."""
-    from ember.compiler.quant import GroupLinear
+    from ember.model.layers.group import GroupLinear
 
     x, chunk, b, ref, w = _super_case(rows, n, k, bits, bias=n != 64)
     linear = GroupLinear.from_row_chunks(n, bits, [chunk], b)
@@ -510,7 +511,7 @@ def test_super_block_linear_matches_float64(bits, rows, n, k):
 def test_super_block_sums_at_the_code_and_activation_extremes(bits, rows):
     """Every code and sub-block scale at the top (or bottom) of its range against every x at
     +-127 after quantization: the largest sums, exact."""
-    from ember.compiler.quant import GroupLinear, SuperRows
+    from ember.model.layers.group import GroupLinear, SuperRows
 
     n, k = 40, 512
     for code, sc, sign in ((15 if bits == 4 else 63, 63 if bits == 4 else 127, 1.0),
@@ -534,7 +535,7 @@ def test_super_block_sums_at_the_code_and_activation_extremes(bits, rows):
 def test_super_block_rows_in_chunks_and_the_contract(bits):
     """Chunks of rows pack as one pass does; the op tells super-block panels by their
     shapes (opcheck at 0, 1 and 13 rows); mismatched rows and bad shapes are refused."""
-    from ember.compiler.quant import GroupLinear, SuperRows
+    from ember.model.layers.group import GroupLinear, SuperRows
 
     panel = kernels.panel_width()
     n, k = 5 * panel + 3, 512
@@ -586,22 +587,24 @@ class _Block(torch.nn.Module):
 
 
 def _convert(block: torch.nn.Module, kind: str) -> torch.nn.Module:
-    from ember.compiler import quant
+    from ember.model.layers import group as quant_group
+    from ember.model.layers import packed as quant
+    from ember.model.layers import rewrite
 
     make = {
         "nn.Linear": None,
         "GemvLinear": quant.GemvLinear,
         "PackedLinear": quant.PackedLinear,
         "Int8Linear": quant.Int8Linear,
-        "int4": lambda lin: quant.GroupLinear(
-            *quant.quantize_groups(lin.weight, 4, False), 4, lin.bias
+        "int4": lambda lin: quant_group.GroupLinear(
+            *quant_group.quantize_groups(lin.weight, 4, False), 4, lin.bias
         ),
-        "q8_0": lambda lin: quant.GroupLinear(
-            *quant.quantize_groups(lin.weight, 8, True), 8, lin.bias
+        "q8_0": lambda lin: quant_group.GroupLinear(
+            *quant_group.quantize_groups(lin.weight, 8, True), 8, lin.bias
         ),
     }[kind]
     if make is not None:
-        quant._replace_linears(block, make)
+        rewrite._replace_linears(block, make)
     return block
 
 
@@ -614,8 +617,8 @@ def test_fused_projections_give_each_projection_its_own_rows(kind):
     post-grad dedupe leaves one call per group)."""
     from torch._inductor.utils import run_and_get_code
 
-    from ember.compiler.inductor import compile_settings
-    from ember.compiler.quant import FusedSlice, fuse_projections_
+    from ember.compile.inductor import compile_settings
+    from ember.model.layers.rewrite import FusedSlice, fuse_projections_
 
     block = _convert(_Block(), kind)
     x = torch.randn(5, 64)
@@ -647,7 +650,8 @@ def test_quantized_linears_are_batch_invariant(bits, symmetric):
     """A row's output does not depend on the rows beside it: the same bits alone, in every
     row-block position of a batch and at every batch size (each row's group sums are exact
     integers and its fp32 scaling runs in one order; the int8 per-channel kernel too)."""
-    from ember.compiler.quant import GroupLinear, Int8Linear
+    from ember.model.layers.group import GroupLinear
+    from ember.model.layers.packed import Int8Linear
 
     n, k = 257, 2080  # partial panels, past one K block of 1024
     if bits == "int8":

@@ -52,7 +52,7 @@ TORCH_LIBRARY(ember_cpu, m) {
       "Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
       "float scale, int sliding_window, float softcap, bool causal) -> Tensor");
   // The same kernel with the cache's write left out of the schema, for compiled regions
-  // (`ember.compiler.regions`): a region's subgraph cannot hold a mutating custom op in
+  // (`ember.compile.regions`): a region's subgraph cannot hold a mutating custom op in
   // torch 2.13. vLLM's attention op hides its cache the same way (it reads it from a context).
   m.def(
       "paged_attention_opaque(Tensor query, Tensor key, Tensor value, Tensor kv_cache, "

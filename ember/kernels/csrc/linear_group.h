@@ -12,7 +12,7 @@ namespace {
 // [-127, 127]), d * (q - 8) (symmetric 4-bit codes in [0, 15]) or d * q + m (asymmetric): the
 // values of GGUF's Q8_0, Q4_0 and Q4_1 blocks exactly. Packed in panels of kPanel output
 // channels with each channel's codes for 4 (8-bit) or 8 (4-bit) consecutive k in one 32-bit
-// lane, the layout integer dot-product instructions read (see ember.compiler.quant.GroupLinear):
+// lane, the layout integer dot-product instructions read (see ember.model.layers.GroupLinear):
 // 8 lanes a group holding q + 128 (8-bit), or 4 whose byte j holds k = 8i + j in its low nibble
 // and 8i + 4 + j in its high one (4-bit), each group's kPanel fp16 d (and m) ahead of its lanes
 // in one uint8 tensor [P, lanes, kPanel, 4] (see plain_head_rows).

@@ -106,7 +106,7 @@ void store_codes(const uint8_t* q, int64_t K, int64_t bits, uint8_t* out) {
 // bits of the panels they fill, whether those carry offsets, whether they are laid out in
 // super-blocks of 256 (see linear_group.h), and the decoder in store_blocks (kPlain: an fp16
 // scale, an fp16 offset where `offsets`, then the codes: Q8_0, Q4_0, Q4_1).
-// The table of which types are packed how is mirrored by ember.compiler.quant.BLOCK_TYPES;
+// The table of which types are packed how is mirrored by ember.model.layers.BLOCK_TYPES;
 // each call checks its panels against this one.
 enum class BlockDecoder { kPlain, kQ4K, kQ6K, kQ5_0 };
 struct BlockType {

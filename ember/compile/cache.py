@@ -24,7 +24,6 @@ g++ on load. The directory keeps the built kernels.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -33,8 +32,10 @@ from typing import Any
 
 import torch
 
-from ember.compiler.loader import LoadedModel
-from ember.host import cpu_target, default_compile_cache_dir, prune_cache, touch
+from ember.host.dirs import default_compile_cache_dir, prune_cache, touch
+from ember.host.isa import cpu_target
+from ember.keys import entry_dir, sources_fingerprint
+from ember.model.loader import LoadedModel
 from ember.version import __version__
 
 logger = logging.getLogger("ember")
@@ -53,7 +54,7 @@ def key_parts(
 ) -> dict[str, Any]:
     """The key of the graphs of `loaded` (as the loader built it: dtype, quantization, attention
     backend, LoRA slots) run with this bucket ladder, block size, KV cache dtype and inductor
-    settings, whole-model or by regions (`ember.compiler.regions`)."""
+    settings, whole-model or by regions (`ember.compile.regions`)."""
     hf_config = loaded.spec.hf_config
     lora = loaded.lora
     model = json.loads(hf_config.to_json_string(use_diff=False))
@@ -88,24 +89,6 @@ def key_parts(
     }
 
 
-@functools.cache
-def sources_fingerprint() -> str:
-    """sha256 over ember's .py, .cpp and .h files (names and contents; the kernels' families
-    live in headers since the C++ split, and a layout change there must miss the weights and
-    compile caches); about 1 ms."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    h = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(filenames):
-            if name.endswith((".py", ".cpp", ".h")):
-                path = os.path.join(dirpath, name)
-                h.update(os.path.relpath(path, root).encode())
-                with open(path, "rb") as f:
-                    h.update(f.read())
-    return h.hexdigest()
-
-
 def modules_fingerprint(model: torch.nn.Module) -> str:
     """Hash of the model as the loader rewrote it: every module's type and every parameter's
     and buffer's name, shape and dtype. A graph compiled for one structure (GEMV or packed
@@ -118,11 +101,6 @@ def modules_fingerprint(model: torch.nn.Module) -> str:
     for name, t in tensors:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
     return h.hexdigest()
-
-
-def entry_dir(cache_dir: str, parts: dict[str, Any]) -> str:
-    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
-    return os.path.join(cache_dir, key)
 
 
 def inductor_dir(cache_dir: str, parts: dict[str, Any]) -> str:
@@ -161,7 +139,7 @@ COMPILE_CACHE_MAX_BYTES = 2 << 30
 
 # What `mark_complete` records with an entry besides its key: the vector-ISA test libraries
 # (in the entry's inductor dir) that loaded in the probes of the process that built it
-# (`ember.compiler.inductor.vec_isa_probes`).
+# (`ember.compile.inductor.vec_isa_probes`).
 VEC_ISA_RECORD = "recorded_vec_isa_probes"
 
 

@@ -5,7 +5,7 @@
 - encoder-decoder models: learned positions placed per token (`_PositionsAddedByEmber`) and
   the decoder's cross-attention modules marked;
 - narrow linears: weight-only int8 (`quantization="int8"`) or bf16 weights through ember's
-  GEMV (`ember.compiler.quant`); a causal LM's q/k/v and gate/up projections fused into one
+  GEMV (`ember.model.layers`); a causal LM's q/k/v and gate/up projections fused into one
   linear each (`fuse_projections_`);
 - LoRA wrappers around the targeted projections (`ember.lora.layers`).
 """
@@ -23,20 +23,20 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ember import kernels
 from ember.attention import AttentionBackend
-from ember.compiler import packed_cache
-from ember.compiler.hf_bridge import register_attention
-from ember.compiler.hf_config import ModelSpec, UnsupportedModelError
-from ember.compiler.quant import (
-    GemvLinear,
-    GroupLinear,
-    PackedLinear,
+from ember.attention.hf_bridge import register_attention
+from ember.errors import UnsupportedModelError
+from ember.host.memory import drop_pages, move_to_huge_pages, release_free_heap
+from ember.lora.layers import LoRALinear, install_lora
+from ember.model import packed_cache
+from ember.model.layers.group import GroupLinear
+from ember.model.layers.packed import GemvLinear, PackedLinear
+from ember.model.layers.rewrite import (
     fuse_projections_,
     quantize_int4_,
     quantize_int8_,
     use_kernel_linears_,
 )
-from ember.host import drop_pages, move_to_huge_pages, release_free_heap
-from ember.lora.layers import LoRALinear, install_lora
+from ember.model.spec import ModelSpec
 
 logger = logging.getLogger("ember")
 
@@ -238,9 +238,10 @@ def _built_from(spec: ModelSpec, attention: str | dict[str, str]) -> dict[str, A
 def _load_gguf(
     spec: ModelSpec, dtype: torch.dtype, backend: AttentionBackend, cpu_isa: str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
-    """A GGUF file's model and tokenizer (`ember.compiler.gguf`): quantized weights as 8- or
+    """A GGUF file's model and tokenizer (`ember.model.gguf`): quantized weights as 8- or
     4-bit groups, the rest in their own 16/32-bit types; math in `dtype`."""
-    from ember.compiler import gguf
+    from ember.model.gguf import hf, reader
+    from ember.model.gguf import load as gguf
 
     path = spec.gguf_file
     assert path is not None
@@ -257,16 +258,16 @@ def _load_gguf(
     model = packed_cache.load(entry)  # the model a previous load built, mapped back
     try:
         if model is not None:
-            tokenizer = gguf.load_gguf_tokenizer(path)
+            tokenizer = hf.load_gguf_tokenizer(path)
         else:
             # Neither the tokenizer nor the weights' layout needs the kernels loaded: a first
             # build runs on another core meanwhile (about 15 s).
             with gguf.weights_arena(path):  # faulted in while the tokenizer and model load
-                tokenizer = gguf.load_gguf_tokenizer(path)
+                tokenizer = hf.load_gguf_tokenizer(path)
                 model = gguf.load_gguf_model(path, spec.hf_config, spec.auto_class, attention)
             packed_cache.save(entry, model)
     finally:
-        gguf.release(path)  # the file's memory map
+        reader.release(path)  # the file's memory map
     if not kernels.available(cpu_isa):
         raise UnsupportedModelError(
             "GGUF files run on ember's C++ kernels, which cannot be built here"

@@ -38,7 +38,7 @@ def _attention_forward(
 
     Returns attn_output [1, num_tokens, num_heads, head_dim], as HF's attention functions do.
 
-    In a compiled region (`ember.compiler.regions`) the layer's own cache arrives as
+    In a compiled region (`ember.compile.regions`) the layer's own cache arrives as
     `kv_cache` and the backend's `opaque_op` (no mutation in its schema) runs instead of `op`.
     """
     meta: AttentionMetadata = kwargs["attn_metadata"]
@@ -59,7 +59,7 @@ def _attention_forward(
     if cross == "ranges":
         # A vision-language model's cross-attention: each token attends its own range of its
         # sequence's image K/V (written once per request by the vision pass, see
-        # `ember.compiler.capture.capture_vision_forward`); HF's key/value are ignored.
+        # `ember.compile.capture.capture_vision_forward`); HF's key/value are ignored.
         out = torch.ops.ember.cross_attention_ranges(
             query[0].transpose(0, 1),
             kv_cache,
@@ -72,7 +72,7 @@ def _attention_forward(
         return out[None], None
     if cross:
         # Cross-attention: K/V of the encoder output were written once per request (see
-        # `ember.compiler.capture.capture_encoder_forward`); the HF module's own key/value
+        # `ember.compile.capture.capture_encoder_forward`); the HF module's own key/value
         # (of a 1-row placeholder) are ignored, nothing is written, every encoder row is seen.
         key, value, slots = key[:0], value[:0], slots[:0]
         seq_lens, tables = meta.cross_seq_lens, meta.cross_block_tables

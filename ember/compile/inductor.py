@@ -10,14 +10,14 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ember.compiler.regions import allow_aliased_inputs
+from ember.compile.regions import allow_aliased_inputs
 
 _CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
 class DedupePureOps(CustomGraphPass):
     """Post-grad pass: one node per (pure op, arguments), so the slices of a fused projection
-    (`ember.compiler.quant.FusedSlice`: q_proj, k_proj and v_proj each call the fused linear
+    (`ember.model.layers.FusedSlice`: q_proj, k_proj and v_proj each call the fused linear
     on the same input) run one GEMV. Only ops that mutate nothing and draw no random numbers
     are merged (AOTAutograd's own CSE runs for training graphs only)."""
 
@@ -65,7 +65,7 @@ def vec_isa_probes(known: Iterable[str] = ()) -> Iterator[list[str]]:
     top) once per process: it builds a test library per check (kept in its cache dir) and
     loads it in a child Python, ~0.2 s a child. Measured on AMD EPYC (Zen 4, 2 cores): ~1 s
     of a 3.2-3.4 s warm start of llama-160m, every start. The compile cache records the
-    libraries that passed with an entry (`ember.compiler.cache.mark_complete`); they sit in
+    libraries that passed with an entry (`ember.compile.cache.mark_complete`); they sit in
     the entry's own inductor dir, whose key pins the exact CPU target and torch, so a warm
     start of that entry loads nothing it has not loaded before. Reads inductor internals
     (torch is pinned): where they differ, probes run as always and nothing is recorded."""
@@ -137,7 +137,7 @@ def compile_settings(freezing: bool, inductor_cache_dir: str | None = None) -> I
       input itself, and a batch-1 llama-160m decode step ran 228 size asserts (0.13 ms of the
       step, cProfile).
     - `DedupePureOps`: one call per pure op and arguments (the fused q/k/v and gate/up GEMVs).
-    - regions may take inputs that alias one another (`ember.compiler.regions`).
+    - regions may take inputs that alias one another (`ember.compile.regions`).
     - `inductor_cache_dir`: where inductor keeps FX graphs and built C++ kernels while this
       context is open (torch reads it from the environment on every lookup); restored after.
     """

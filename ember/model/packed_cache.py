@@ -44,7 +44,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ember.host import private_dir, prune_cache, register_file_map, touch, user_cache_dir
+from ember.host.dirs import private_dir, prune_cache, touch, user_cache_dir
+from ember.host.memory import register_file_map
+from ember.keys import entry_dir, file_identity, sources_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +76,6 @@ def entry_path(paths: str | list[str], parts: dict[str, Any]) -> str | None:
     if max_bytes() == 0:
         return None
     import transformers
-
-    from ember.compiler.cache import entry_dir, sources_fingerprint
-    from ember.compiler.gguf import file_identity
 
     files = [file_identity(p) for p in ([paths] if isinstance(paths, str) else paths)]
     if not files or any(f is None for f in files):

@@ -26,6 +26,7 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from ember.attention import AttentionFeatures
+from ember.errors import UnsupportedModelError
 
 # "generate" (causal LM), "encdec" (encoder-decoder LM) or "embed" (encoder-only model).
 TASKS = ("generate", "encdec", "embed")
@@ -41,10 +42,6 @@ _AUTO_CLASSES: dict[str, Any] = {
 MULTIMODAL_MODEL_TYPES = ("mllama",)
 
 
-class UnsupportedModelError(ValueError):
-    """The checkpoint cannot be served by ember; the message names the reason."""
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """Facts about one checkpoint, computed once by `read_model_spec`.
@@ -52,7 +49,7 @@ class ModelSpec:
     `num_kv_layers, num_kv_heads, head_dim`: the config's KV geometry (encoder-decoder models keep
     encoder and decoder layers in the same per-layer caches: the larger layer count). Models
     whose layers differ (Gemma 4) are measured per layer from the loaded modules
-    (`ember.compiler.loader.kv_layer_shapes`).
+    (`ember.model.loader.kv_layer_shapes`).
     """
 
     model_dir: str
@@ -109,7 +106,7 @@ def read_model_spec(model_dir: str) -> ModelSpec:
     cannot serve."""
     gguf_file = None
     if is_gguf(model_dir):
-        from ember.compiler.gguf import load_gguf_config  # noqa: PLC0415  (imports gguf)
+        from ember.model.gguf.hf import load_gguf_config
 
         config = load_gguf_config(model_dir)
         gguf_file = os.path.abspath(model_dir)

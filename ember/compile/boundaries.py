@@ -17,7 +17,7 @@ OPAQUE_OPS: dict[str, str] = {
     "ember::paged_attention_rest": "ember.attention.torch_cpu",
     "ember_cpu::paged_attention": "ember.attention.torch_cpu",
     # the same ops with the cache write out of their schemas, for compiled regions
-    # (`ember.compiler.regions`)
+    # (`ember.compile.regions`)
     "ember::paged_attention_opaque": "ember.attention.torch_cpu",
     "ember_cpu::paged_attention_opaque": "ember.attention.torch_cpu",
     "ember::paged_attention_ipex": "ember.attention.ipex_cpu",
