@@ -229,7 +229,7 @@ def drive_random(engine, prompts, params, rng, arrivals, abort_prob, check=None)
                 i = pending.pop(0)
                 engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i])
         if rng.random() < abort_prob and engine.has_unfinished_requests():
-            victim = rng.choice(sorted(engine._parents))
+            victim = rng.choice(sorted(engine.output_processor.parents))
             engine.abort_request(victim)
             aborted.add(victim)
         for out in engine.step():

@@ -14,7 +14,8 @@ from tqdm.auto import tqdm
 
 from ember.lora.adapter import LoRARequest
 from ember.runtime.config import EngineArgs
-from ember.runtime.engine import LLMEngine, PromptType
+from ember.runtime.engine import LLMEngine
+from ember.runtime.input_processor import PromptType
 from ember.runtime.outputs import EmbeddingRequestOutput, RequestOutput
 from ember.runtime.request import RequestOutputKind, SamplingParams
 

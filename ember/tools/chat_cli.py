@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from ember.runtime.config import EngineArgs
-from ember.runtime.engine import LLMEngine, PromptType
+from ember.runtime.engine import LLMEngine
+from ember.runtime.input_processor import PromptType
 from ember.runtime.llm import LLM, load_chat_template, render_chat
 from ember.runtime.request import RequestOutputKind, SamplingParams
 
@@ -159,22 +160,9 @@ def run_chat(
         if not text:
             continue
         if text.startswith("/"):
-            command, _, argument = text.partition(" ")
-            if command == "/exit":
+            if text.partition(" ")[0] == "/exit":
                 return 0
-            if command == "/reset":
-                history.clear()
-                out.write("(conversation cleared)\n")
-            elif command == "/system" and chat_mode:
-                system = argument.strip() or None
-                history.clear()
-                out.write(
-                    f"(system prompt {'set' if system else 'cleared'}; conversation cleared)\n"
-                )
-            elif command == "/system":
-                out.write("(plain-completion mode has no system prompt)\n")
-            else:
-                out.write(f"unknown command {command}: {COMMANDS}\n")
+            system = _command(text, history, system, chat_mode, out)
             continue
         message = {"role": "user", "content": line}
         with _deferred_interrupt() as interrupted:
@@ -192,6 +180,26 @@ def run_chat(
                 continue
         if chat_mode:
             history += [message, {"role": "assistant", "content": reply}]
+
+
+def _command(
+    text: str, history: list[dict[str, Any]], system: str | None, chat_mode: bool, out: TextIO
+) -> str | None:
+    """Carry out the `/command` line `text` (not `/exit`): clears `history` as it says;
+    returns the system prompt from now on."""
+    command, _, argument = text.partition(" ")
+    if command == "/reset":
+        history.clear()
+        out.write("(conversation cleared)\n")
+    elif command == "/system" and chat_mode:
+        system = argument.strip() or None
+        history.clear()
+        out.write(f"(system prompt {'set' if system else 'cleared'}; conversation cleared)\n")
+    elif command == "/system":
+        out.write("(plain-completion mode has no system prompt)\n")
+    else:
+        out.write(f"unknown command {command}: {COMMANDS}\n")
+    return system
 
 
 def _stream(
