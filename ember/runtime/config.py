@@ -14,7 +14,6 @@ import functools
 import json
 import logging
 import os
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +23,7 @@ from ember import kernels
 from ember.attention import BACKEND_NAMES, BackendUnavailableError, select_backend
 from ember.attention.ops import kv_row_width
 from ember.host.dirs import default_compile_cache_dir
-from ember.host.isa import CPU_ISAS, check_host_isa, cpu_has_native_bf16, resolve_isa
+from ember.host.isa import CPU_ISAS, check_host_isa, resolve_isa
 from ember.model.gguf.reader import has_quantized_weights
 from ember.model.layers.rewrite import QUANTIZATIONS
 from ember.model.spec import (
@@ -34,22 +33,16 @@ from ember.model.spec import (
     read_model_spec,
     resolve_model,
 )
+from ember.runtime.dtypes import (
+    DTYPE_CHOICES,
+    KV_CACHE_DTYPE_CHOICES,
+    compute_dtype,
+    quantized_dtypes,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from ember.runtime.pooling import max_seq_length
 from ember.runtime.speculative import SpeculativeConfig
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "int8")
-KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8")
-# vLLM's 8-bit float cache names: not kept (see resolve_kv_cache_dtype).
-_FP8_KV_NAMES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _help(text: str, **extra: Any) -> Any:
@@ -221,45 +214,10 @@ class EngineArgs:
             raise ValueError(conflict)
         kernels.prebuild(cpu_isa)  # a first build overlaps reading the checkpoint
         spec = read_model_spec(self.model)
-        dtype, quantization = self.dtype, self.quantization
-        if dtype == "int8":
-            dtype, quantization = "float32", "int8"
-        if quantization is not None:
-            # Quantized weights compute in fp32 on every CPU; the same rule on every CPU, so
-            # a config valid on one machine is valid on all (bf16 means fp32 math on AVX2).
-            if dtype not in ("auto", "float32", torch.float32):
-                raise ValueError(
-                    f"quantization={quantization!r} computes in float32; dtype must be "
-                    f"float32 (or auto), got {dtype!r}"
-                )
-            dtype = "float32"
-        if spec.gguf_file is not None:
-            if quantization is not None:
-                raise ValueError(
-                    f"quantization={quantization!r} cannot apply to a GGUF file: its tensors "
-                    "are already quantized (Q8_0/Q4_0/Q4_1 run as they are)"
-                )
-            if self.enable_lora:
-                raise ValueError("enable_lora=True is not supported with a GGUF model")
-            if dtype not in ("auto", "float32", torch.float32):
-                raise ValueError(
-                    f"dtype={dtype!r}: a GGUF model runs with float32 activations (its "
-                    "quantized weights are multiplied in int8, the others in fp32); use auto "
-                    "or float32"
-                )
-            dtype = "float32"
-        max_positions = spec.max_positions
-        if spec.task == "embed":
-            # sentence-transformers' own input limit, when it ships one (all-MiniLM-L6-v2: 256).
-            max_positions = min(max_positions, max_seq_length(self.model) or max_positions)
-        max_model_len = self.max_model_len
-        if max_model_len is None:
-            max_model_len = max_positions
-        elif isinstance(max_model_len, int) and max_model_len > max_positions:
-            raise ValueError(
-                f"max_model_len must be <= the model's max_position_embeddings={max_positions}, "
-                f"got {max_model_len}"
-            )
+        if spec.gguf_file is not None and self.enable_lora:
+            raise ValueError("enable_lora=True is not supported with a GGUF model")
+        dtype, quantization = quantized_dtypes(self.dtype, self.quantization, spec.gguf_file)
+        max_model_len = self._max_model_len(spec)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         check_weights_format(self.model, self.load_format)
@@ -268,29 +226,7 @@ class EngineArgs:
             raise ValueError(f"generation_config must be auto, vllm or a directory, got {gc!r}")
         weight_dtype = resolve_dtype(dtype, spec.checkpoint_dtype)
         run_dtype = compute_dtype(weight_dtype, cpu_isa)
-        # "auto": as narrow as the weights where steps decode, int8 where they are quantized
-        # (`resolve_kv_cache_dtype` says why); an encoder-only model attends each input once,
-        # so its cache is only a staging area: kept in the math's dtype.
-        if spec.task == "embed":
-            narrow = run_dtype
-        elif quantization is not None or (
-            spec.gguf_file is not None and has_quantized_weights(spec.gguf_file)
-        ):
-            narrow = torch.int8
-        else:
-            narrow = weight_dtype
-        kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, narrow, run_dtype)
-        try:
-            backend = select_backend(
-                self.attention_backend, spec.attention_features(kv_dtype, run_dtype)
-            )
-        except BackendUnavailableError:
-            if self.kv_cache_dtype != "auto" or kv_dtype == run_dtype:
-                raise
-            kv_dtype = run_dtype  # "auto": a backend that needs the activations' dtype
-            backend = select_backend(
-                self.attention_backend, spec.attention_features(kv_dtype, run_dtype)
-            )
+        kv_dtype, backend = self._kv_cache(spec, quantization, weight_dtype, run_dtype)
         buckets = tuple(b for b in self.token_buckets if b <= self.max_num_batched_tokens)
         limit_mm = _limit_mm(self.limit_mm_per_prompt, spec)
         speculative = SpeculativeConfig.parse(self.speculative_config)
@@ -325,6 +261,55 @@ class EngineArgs:
             limit_mm_per_prompt=limit_mm,
             speculative_config=speculative,
         )
+
+    def _max_model_len(self, spec: ModelSpec) -> int:
+        """`max_model_len`, checked against the model's positions (None: all of them)."""
+        max_positions = spec.max_positions
+        if spec.task == "embed":
+            # sentence-transformers' own input limit, when it ships one (all-MiniLM-L6-v2: 256).
+            max_positions = min(max_positions, max_seq_length(self.model) or max_positions)
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = max_positions
+        elif isinstance(max_model_len, int) and max_model_len > max_positions:
+            raise ValueError(
+                f"max_model_len must be <= the model's max_position_embeddings={max_positions}, "
+                f"got {max_model_len}"
+            )
+        return max_model_len
+
+    def _kv_cache(
+        self,
+        spec: ModelSpec,
+        quantization: str | None,
+        weight_dtype: torch.dtype,
+        run_dtype: torch.dtype,
+    ) -> tuple[torch.dtype, Any]:
+        """(the KV cache's dtype, the attention backend that serves it)."""
+        # "auto": as narrow as the weights where steps decode, int8 where they are quantized
+        # (`resolve_kv_cache_dtype` says why); an encoder-only model attends each input once,
+        # so its cache is only a staging area: kept in the math's dtype.
+        if spec.task == "embed":
+            narrow = run_dtype
+        elif quantization is not None or (
+            spec.gguf_file is not None and has_quantized_weights(spec.gguf_file)
+        ):
+            narrow = torch.int8
+        else:
+            narrow = weight_dtype
+        kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, narrow, run_dtype)
+        try:
+            backend = select_backend(
+                self.attention_backend, spec.attention_features(kv_dtype, run_dtype)
+            )
+        except BackendUnavailableError:
+            if self.kv_cache_dtype != "auto" or kv_dtype == run_dtype:
+                raise
+            kv_dtype = run_dtype  # "auto": a backend that needs the activations' dtype
+            backend = select_backend(
+                self.attention_backend, spec.attention_features(kv_dtype, run_dtype)
+            )
+        return kv_dtype, backend
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -426,92 +411,6 @@ def _check_range(name: str, value: int | float, low: int | float, high: int | fl
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
 
 
-def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None) -> torch.dtype:
-    """Map a user dtype ("auto", "float32", "bfloat16", "float16", torch.dtype) to the dtype the
-    linear weights are stored in.
-
-    "auto" keeps a 16-bit checkpoint's weights in 16 bits (a batch-1 decode step reads every
-    weight once) and an fp32 checkpoint's in fp32. float16 is cast to bfloat16 with a warning.
-    """
-    if isinstance(dtype, torch.dtype):
-        resolved = dtype
-    elif dtype == "auto":
-        resolved = torch.float32 if config_dtype in (None, torch.float32) else torch.bfloat16
-    elif isinstance(dtype, str) and dtype in _DTYPES:
-        resolved = _DTYPES[dtype]
-    else:
-        raise ValueError(
-            f"dtype must be one of auto, float32, bfloat16, float16, int8; got {dtype!r}"
-        )
-    if resolved == torch.float16:
-        warnings.warn("float16 is not supported on CPU; casting to bfloat16", stacklevel=3)
-        resolved = torch.bfloat16
-    if resolved not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"dtype must be float32 or bfloat16, got {resolved}")
-    return resolved
-
-
-def resolve_kv_cache_dtype(
-    kv_cache_dtype: str | torch.dtype, auto: torch.dtype, run_dtype: torch.dtype
-) -> torch.dtype:
-    """The KV cache's dtype under activations of `run_dtype`; "auto" gives `auto`, the dtype
-    the weights are kept in for a model that decodes. As vLLM's "auto" takes the model's
-    dtype, a bf16 checkpoint's cache is bf16 also where the math is fp32 (no native bf16
-    math); the attention kernels widen it as they read. Decode attention reads the whole cache
-    every step, so this halves what it streams (AVX2 forced, AMD EPYC Zen 5, llama-160m: 8
-    decodes at ~1,950 tokens, 16.6-17.0 -> 14.9-15.2 ms a step; W-THRU's 32 x 256 tokens,
-    decode attention 0.50 -> 0.36 s of the run, about 1% end to end) and holds twice the
-    tokens in `kv_cache_gib`. A bf16 cache under fp32 math is not bit-identical to HF in fp32;
-    "float32" is.
-
-    Where the linear weights are quantized, the caller passes int8 as `auto`
-    (`ember.attention.ops.quantize_kv_rows`: a scale per token and K/V head), as OpenVINO
-    keeps u8 on CPU. Measured (AMD EPYC, AVX-512 with bf16): teacher-forced top-5 agreement
-    with HF fp32 on the real Gemma 3 270M Q4_K_M and SmolLM2-135M Q4_1 files was 100% for
-    float32, bfloat16 and int8 caches alike, as for llama.cpp on the same files (argmax
-    95.3-97.3% for all, 256 tokens each); llama-160m Q4_K_M at a 4,000-token depth decoded at
-    5.65 ms a token with int8 against 7.08 with bfloat16 and 9.26 with float32 (the GGUF
-    default before), and 1 GiB holds 164k tokens against 87k and 44k."""
-    if isinstance(kv_cache_dtype, torch.dtype):
-        resolved = kv_cache_dtype
-    elif kv_cache_dtype == "auto":
-        resolved = auto
-    elif isinstance(kv_cache_dtype, str) and kv_cache_dtype in _DTYPES:
-        resolved = _DTYPES[kv_cache_dtype]
-    elif kv_cache_dtype == "int8":
-        resolved = torch.int8
-    elif kv_cache_dtype in _FP8_KV_NAMES:
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} is not supported on CPU; kv_cache_dtype='int8' "
-            "is ember's 8-bit cache (a scale per token and head, 7 bits of precision against "
-            "fp8's 2-3)"
-        )
-    else:
-        raise ValueError(
-            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}; "
-            f"got {kv_cache_dtype!r}"
-        )
-    if resolved not in (torch.float32, torch.bfloat16, torch.int8):
-        raise ValueError(f"kv_cache_dtype must be float32, bfloat16 or int8, got {resolved}")
-    if run_dtype == torch.bfloat16 and resolved == torch.float32:
-        raise ValueError(
-            f"kv_cache_dtype={str(resolved).removeprefix('torch.')!r}: this engine computes "
-            "in bfloat16 (native bf16 math), which needs a bfloat16 or int8 KV cache; use "
-            "dtype='float32' for a float32 cache"
-        )
-    return resolved
-
-
-def compute_dtype(weight_dtype: torch.dtype, cpu_isa: str) -> torch.dtype:
-    """The dtype of activations for weights stored in `weight_dtype`: bf16 only
-    where the CPU has native bf16 math (AVX512-BF16 / AMX); elsewhere bf16 weights are widened
-    to fp32 inside ember's kernels and all math runs in fp32 (ATen's bf16 GEMM on AVX2 ran at
-    ~11 GFLOP/s against ~80 for fp32)."""
-    if weight_dtype == torch.bfloat16 and cpu_has_native_bf16(cpu_isa):
-        return torch.bfloat16
-    return torch.float32
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to know, fixed for the engine's lifetime. Built by
@@ -556,6 +455,16 @@ class EngineConfig:
     quantize_activations: bool = True
 
     def __post_init__(self) -> None:
+        self._check_sizes()
+        self._check_compile()
+        self._check_features()
+        if self.attention_backend not in BACKEND_NAMES[1:]:
+            raise ValueError(
+                f"attention_backend must be one of {BACKEND_NAMES[1:]} once resolved, "
+                f"got {self.attention_backend!r}"
+            )
+
+    def _check_sizes(self) -> None:
         _check_range("kv_cache_gib", self.kv_cache_gib, 1e-6, 1024)
         _check_int("block_size", self.block_size, 1, 1024)
         if self.block_size & (self.block_size - 1):
@@ -578,6 +487,8 @@ class EngineConfig:
                 "token_buckets must be increasing sizes in [1, max_num_batched_tokens="
                 f"{self.max_num_batched_tokens}], got {self.token_buckets}"
             )
+
+    def _check_compile(self) -> None:
         if self.background_compile and (self.freeze_weights or not self.compile):
             raise ValueError(
                 "background_compile=True needs compile=True and freeze_weights=False (frozen "
@@ -595,6 +506,9 @@ class EngineConfig:
                 f"kv_dtype must be bfloat16, int8 or the activations' {self.dtype}, "
                 f"got {self.kv_dtype}"
             )
+
+    def _check_features(self) -> None:
+        """LoRA, quantization, images and speculation: each with what it runs with."""
         _check_int("max_loras", self.max_loras, 1, 64)
         _check_int("max_lora_rank", self.max_lora_rank, 1, 512)
         if self.enable_lora and self.task != "generate":
@@ -615,11 +529,7 @@ class EngineConfig:
                     f"quantization must be None or one of {QUANTIZATIONS}, "
                     f"got {self.quantization!r}"
                 )
-            if self.dtype != torch.float32:
-                raise ValueError(
-                    f"quantization={self.quantization!r} computes in float32; dtype must be "
-                    f"float32, got {self.dtype}"
-                )
+            quantized_dtypes(self.dtype, self.quantization, None)  # float32 math
             if self.enable_lora or self.task not in ("generate", "embed"):
                 raise ValueError(
                     f"quantization={self.quantization!r} supports decoder-only LMs without "
@@ -639,12 +549,6 @@ class EngineConfig:
         if self.speculative_config is not None and self.task != "generate":
             raise ValueError(
                 f"speculative_config needs a decoder-only LM; this model is {self.task}"
-            )
-
-        if self.attention_backend not in BACKEND_NAMES[1:]:
-            raise ValueError(
-                f"attention_backend must be one of {BACKEND_NAMES[1:]} once resolved, "
-                f"got {self.attention_backend!r}"
             )
 
     @property

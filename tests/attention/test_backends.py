@@ -73,7 +73,7 @@ def test_a_cache_narrower_than_the_queries_needs_a_backend_that_widens_it(
     """torch and triton attend a bf16 cache under fp32 queries; IPEX's kernels take one dtype.
     With kv_cache_dtype="auto", an engine on IPEX keeps its cache in the math's dtype; asked
     for by name, the bf16 cache is an error naming the backend."""
-    from ember.runtime import config
+    from ember.runtime import dtypes as config
 
     mixed = AttentionFeatures(torch.bfloat16, activation_dtype=torch.float32)
     assert get_backend("torch").unsupported(mixed) is None

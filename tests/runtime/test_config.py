@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ember import LLM
-from ember.runtime.config import EngineArgs, resolve_dtype, resolve_kv_cache_dtype
+from ember.runtime.config import EngineArgs
+from ember.runtime.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from tests.conftest import build_tiny_bert
 
 pytestmark = pytest.mark.host_isa  # on this CPU and as an AVX2-only host: tests/host_isa.py
@@ -61,7 +62,7 @@ def test_kv_cache_dtype_resolution(checkpoint_dir, monkeypatch, tmp_path):
     fp32 math (no native bf16 math, patched here), int8 where they are quantized; the math's
     dtype for encoder-only models and fp32 checkpoints. bf16 math cannot use a float32
     cache."""
-    from ember.runtime import config
+    from ember.runtime import dtypes as config
 
     f32, bf16 = torch.float32, torch.bfloat16
     assert resolve_kv_cache_dtype("auto", bf16, f32) == bf16
