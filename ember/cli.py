@@ -297,6 +297,16 @@ def _weights_description(cfg: Any) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description="CPU-first LLM inference runtime")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parsers(sub)
+    _add_bench_parser(sub)
+    _add_serve_parser(sub)
+    add_chat_parser(sub, _add_engine_args)
+    sub.choices["chat"].set_defaults(func=functools.partial(cmd_chat, resolve=_model_overrides))
+    return parser
+
+
+def _add_generate_parsers(sub: Any) -> None:
+    """`ember generate`, `ember embed` and `ember warmup`."""
     gen = sub.add_parser("generate", help="generate text from prompts")
     _add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
@@ -324,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"compile cache dir (default {default_compile_cache_dir()})",
     )
     warm.set_defaults(func=cmd_warmup)
+
+
+def _add_bench_parser(sub: Any) -> None:
     bench_p = sub.add_parser("bench", help="run a standard workload (W-THRU, W-LAT, W-SPEC)")
     _add_engine_args(bench_p, skip=("compile_cache_dir",))
     bench_p.add_argument(
@@ -377,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv_b.add_argument("--output-len", type=int, default=128, help="tokens per request")
     srv_b.add_argument("--api-key", default=None, help="default: EMBER_API_KEY")
     bench_p.set_defaults(func=cmd_bench)
+
+
+def _add_serve_parser(sub: Any) -> None:
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                      help="model to serve (as `vllm serve MODEL`; --model works too)")  # fmt: skip
@@ -436,9 +452,6 @@ def build_parser() -> argparse.ArgumentParser:
     # A server answers at once: its graphs compile in the background (--no-background-compile:
     # compile them all before the first request, as `LLM` does).
     srv.set_defaults(func=cmd_serve, background_compile=True)
-    add_chat_parser(sub, _add_engine_args)
-    sub.choices["chat"].set_defaults(func=functools.partial(cmd_chat, resolve=_model_overrides))
-    return parser
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

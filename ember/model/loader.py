@@ -123,27 +123,48 @@ def load_model(
         uses_kernels = (quantization is not None or kernel_linears or narrow) and (
             kernels.available(cpu_isa)
         )
-        entry = packed_cache.entry_path(
-            packed_cache.checkpoint_files(spec.model_dir),
-            {
-                "checkpoint": os.path.realpath(spec.model_dir),
-                "dtype": str(dtype),
-                "weight_dtype": str(weight_dtype),
-                "quantization": quantization,
-                "quantize_activations": quantize_activations,
-                "kernel_linears": kernel_linears,
-                "kernels": uses_kernels and (kernels.loaded_isa(), kernels.panel_width()),
-                **_built_from(spec, attn),
-                "task": spec.task,
-                "load_format": load_format,
-            },
-        )
+        settings = {
+            "dtype": str(dtype),
+            "weight_dtype": str(weight_dtype),
+            "quantization": quantization,
+            "quantize_activations": quantize_activations,
+            "kernel_linears": kernel_linears,
+            "kernels": uses_kernels and (kernels.loaded_isa(), kernels.panel_width()),
+        }
+        entry = _checkpoint_entry(spec, attn, settings, load_format)
         model = packed_cache.load(entry)  # the model a previous load built, mapped back
         if model is not None:
             return _loaded(
                 model, spec, load_tokenizer(spec.model_dir), dtype, weight_dtype, quantization,
                 backend, cpu_isa,
             )  # fmt: skip
+    model = _from_pretrained(spec, load_dtype, attn, load_format)
+    layers = token_slots = None
+    if lora is not None:  # before narrowing, which then reaches the wrapped base linears too
+        layers, token_slots = install_lora(model, lora.max_loras, lora.max_rank, lora.max_tokens)
+    consumed = CheckpointPages(model, spec.model_dir)
+    if spec.task == "generate" and spec.multimodal is None and lora is None:
+        # Fused as the checkpoint's own tensors, then packed: each group is copied once.
+        fuse_projections_(model, consumed)
+    _rewrite_linears(
+        model, spec.task, dtype, quantization, quantize_activations, kernel_linears or narrow,
+        cpu_isa, consumed,
+    )  # fmt: skip
+    if narrow:
+        _widen_all_but_linear_weights(model, dtype)
+    _release_checkpoint_mapping(model, spec.model_dir)
+    tokenizer = load_tokenizer(spec.model_dir)
+    return _loaded(
+        model, spec, tokenizer, dtype, weight_dtype, quantization, backend, cpu_isa, lora,
+        layers, token_slots, cache_entry=entry,
+    )  # fmt: skip
+
+
+def _from_pretrained(
+    spec: ModelSpec, load_dtype: torch.dtype, attn: str | dict[str, str], load_format: str
+) -> PreTrainedModel:
+    """The checkpoint's HF model in eval mode, its attention routed to `attn`, with the
+    encoder-decoder and cross-attention preparations made (weights as stored, unrewritten)."""
     try:
         model = spec.auto_class.from_pretrained(
             spec.model_dir,
@@ -160,31 +181,31 @@ def load_model(
         _prepare_encoder_decoder(model)
     if spec.multimodal is not None:
         _prepare_cross_attention_lm(model)
-    layers = token_slots = None
-    if lora is not None:  # before narrowing, which then reaches the wrapped base linears too
-        layers, token_slots = install_lora(model, lora.max_loras, lora.max_rank, lora.max_tokens)
-    consumed = CheckpointPages(model, spec.model_dir)
-    if spec.task == "generate" and spec.multimodal is None and lora is None:
-        # Fused as the checkpoint's own tensors, then packed: each group is copied once.
-        fuse_projections_(model, consumed)
+    return model
+
+
+def _rewrite_linears(
+    model: PreTrainedModel,
+    task: str,
+    dtype: torch.dtype,
+    quantization: str | None,
+    quantize_activations: bool,
+    kernel_linears: bool,
+    cpu_isa: str,
+    consumed: CheckpointPages,
+) -> None:
+    """Quantize the linears (`quantization`), or route them through ember's kernels
+    (`kernel_linears`, where the kernels are available)."""
     if quantization == "int8":
         kernels.load(cpu_isa)
         # An embedding model's steps are whole texts: int8 GEMMs on per-token scales.
-        per_token = spec.task == "embed"
+        per_token = task == "embed"
         quantize_int8_(model, consumed, quantize_activations, per_token)
     elif quantization == "int4":
         kernels.load(cpu_isa)
         quantize_int4_(model, consumed=consumed)
-    elif (kernel_linears or narrow) and kernels.available(cpu_isa):
+    elif kernel_linears and kernels.available(cpu_isa):
         use_kernel_linears_(model, dtype, consumed)
-    if narrow:
-        _widen_all_but_linear_weights(model, dtype)
-    _release_checkpoint_mapping(model, spec.model_dir)
-    tokenizer = load_tokenizer(spec.model_dir)
-    return _loaded(
-        model, spec, tokenizer, dtype, weight_dtype, quantization, backend, cpu_isa, lora,
-        layers, token_slots, cache_entry=entry,
-    )  # fmt: skip
 
 
 def _loaded(
@@ -222,6 +243,22 @@ def _loaded(
         lora=lora,
         lora_layers=lora_layers,
         lora_token_slots=lora_token_slots,
+    )
+
+
+def _checkpoint_entry(
+    spec: ModelSpec, attn: str | dict[str, str], settings: dict[str, Any], load_format: str
+) -> str | None:
+    """The weights-cache entry of the checkpoint's model built with `settings`."""
+    return packed_cache.entry_path(
+        packed_cache.checkpoint_files(spec.model_dir),
+        {
+            "checkpoint": os.path.realpath(spec.model_dir),
+            **settings,
+            **_built_from(spec, attn),
+            "task": spec.task,
+            "load_format": load_format,
+        },
     )
 
 

@@ -210,6 +210,23 @@ def build_forward_batch(
     # through the caches, each torch op here took 20-60 us (numpy's are a few).
     input_ids = np.zeros(num_tokens_padded, dtype=np.int64)
     input_ids[: plan.num_tokens] = [t for r in reqs for t in r.token_ids]
+    logits_indices, prompt_rows, spec_rows = _logits_rows(reqs, num_new, num_seqs_padded)
+    return ForwardBatch(
+        torch.from_numpy(input_ids),
+        positions,
+        meta,
+        logits_indices,
+        lora_slots,
+        tuple(prompt_rows),
+        tuple(spec_rows),
+    )
+
+
+def _logits_rows(
+    reqs: Sequence[ScheduledRequest], num_new: list[int], num_seqs_padded: int
+) -> tuple[torch.Tensor, list[tuple[int, int, int]], list[tuple[int, int]]]:
+    """(`logits_indices`: each request's sampling row, padded to `num_seqs_padded`, then the
+    rows of draft tokens and of prompt logprobs; `prompt_rows`; `spec_rows`)."""
     ends = list(itertools.accumulate(num_new))
     indices = [np.zeros(num_seqs_padded, dtype=np.int64)]
     indices[0][: len(reqs)] = [e - 1 for e in ends]
@@ -233,15 +250,7 @@ def build_forward_batch(
             indices.append(np.arange(first, first + count, dtype=np.int64))
             prompt_rows.append((i, r.num_computed_tokens + 1, count))
     logits_indices = torch.from_numpy(np.concatenate(indices) if len(indices) > 1 else indices[0])
-    return ForwardBatch(
-        torch.from_numpy(input_ids),
-        positions,
-        meta,
-        logits_indices,
-        lora_slots,
-        tuple(prompt_rows),
-        tuple(spec_rows),
-    )
+    return logits_indices, prompt_rows, spec_rows
 
 
 def _with_cross_ranges(

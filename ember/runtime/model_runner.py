@@ -173,17 +173,7 @@ class ModelRunner:
         if self.forwards.vision is not None:
             for r in vision_plan(plan):
                 self._encode_images(r)
-        pooled: dict[str, list[float]] = {}
-        embeds = plan.select(pool=True)
-        if embeds.requests:
-            # Embedding models run their compiled graphs; a causal LM's base model runs eagerly
-            # (its compiled graphs produce logits).
-            hidden = self._forward(embeds, self.forwards.hidden, self.config.max_blocks_per_seq)
-            lens = [r.num_new_tokens for r in embeds.requests]
-            vectors = pool(hidden[: sum(lens)], lens, self.pooling)
-            pooled = {
-                r.request_id: v.tolist() for r, v in zip(embeds.requests, vectors, strict=True)
-            }
+        pooled = self._pool(plan)
         generate = plan.select(pool=False)
         if not generate.requests:
             return RunnerOutput({}, {}, pooled)
@@ -214,25 +204,7 @@ class ModelRunner:
             for i, r in enumerate(sampling)
             if r.params.logprobs is not None and (r.controls is not None or r.grammar is not None)
         }
-        failed = apply_controls(
-            logits,
-            [r.controls for r in sampling],
-            [r.prompt_token_ids for r in sampling],
-            [r.output_token_ids for r in sampling],
-        )
-        _apply_grammars(logits, sampling, spans, failed)
-        # A request whose logits row is NaN/inf (or whose own logits processor failed) fails
-        # alone; the others sample as usual.
-        bad = dict(failed)
-        maxima, argmax = row_maxima(logits)
-        for i in set(non_finite_rows(logits, maxima)) - failed.keys():
-            r = sampling[i]
-            bad[i] = (
-                f"the model's logits for request {r.request_id!r} contain NaN or inf at output "
-                f"token {len(r.output_token_ids)} (adapter: {r.lora_id}; after the request's "
-                "logits controls, if any); no token was sampled"
-            )
-        errors = {sampling[i].request_id: error for i, error in sorted(bad.items())}
+        errors, argmax = _controlled(logits, sampling, spans)
         if spans:
             return _verified(logits, sampling, spans, logp, argmax, errors, pooled, prompt_lps)
         by_id = {sampling[i].request_id: v for i, v in logp.items()}
@@ -242,6 +214,18 @@ class ModelRunner:
         tokens, logprobs = sample(logits, sampling, by_id, argmax) if sampling else ([], {})
         sampled = {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
         return RunnerOutput(sampled, logprobs, pooled, errors, prompt_lps)
+
+    def _pool(self, plan: StepPlan) -> dict[str, list[float]]:
+        """The pooled embedding of each of `plan`'s embedding requests, by request id."""
+        embeds = plan.select(pool=True)
+        if not embeds.requests:
+            return {}
+        # Embedding models run their compiled graphs; a causal LM's base model runs eagerly
+        # (its compiled graphs produce logits).
+        hidden = self._forward(embeds, self.forwards.hidden, self.config.max_blocks_per_seq)
+        lens = [r.num_new_tokens for r in embeds.requests]
+        vectors = pool(hidden[: sum(lens)], lens, self.pooling)
+        return {r.request_id: v.tolist() for r, v in zip(embeds.requests, vectors, strict=True)}
 
     def _encode_images(self, request: ScheduledRequest) -> None:
         """Run the vision tower over each of `request`'s images (one graph call per image),
@@ -365,8 +349,39 @@ class ModelRunner:
         record = cache.lookup(cache_dir, parts) if cache_dir is not None else None
         hit = record is not None
         inductor_dir = cache.inductor_dir(cache_dir, parts) if cache_dir is not None else None
+        runs = self._warmup_runs(compiled, cache_dir, parts)
+        if background and can_compile_in_background(list(runs)):
+            self._compile_in_background(runs, inductor_dir, record, cache_dir, parts)
+            return hit
+        with (
+            compile_settings(self.config.freeze_weights, inductor_dir),
+            vec_isa_probes(cache.recorded_probes(record)) as probed,
+        ):
+            with tqdm(
+                total=len(runs),
+                desc="Loading graphs" if hit else "Compiling graphs",
+                unit="graph",
+                disable=not show_progress,
+                dynamic_ncols=True,
+            ) as bar:
+
+                def ready(job: GraphJob) -> None:
+                    runs[job]()
+                    bar.update()
+
+                jobs = list(runs)
+                prepare_graphs(jobs, compile_workers(jobs), ready)
+        if cache_dir is not None and not hit:
+            cache.mark_complete(cache_dir, parts, probed)
+        return hit
+
+    def _warmup_runs(
+        self, compiled: list[tuple[str, Any]], cache_dir: str | None, parts: dict[str, Any]
+    ) -> dict[GraphJob, Any]:
+        """Each graph's job (its forward, example args and cache file) and its dummy step,
+        which runs the graph once."""
         bs = self.config.block_size
-        runs: dict[GraphJob, Any] = {}  # each job's dummy step, which runs its graph once
+        runs: dict[GraphJob, Any] = {}
         for num_tokens in self.graph_sizes:
             for name, forward in compiled:
                 if name == "vision":
@@ -390,50 +405,65 @@ class ModelRunner:
                 if cache_dir is not None:
                     path = cache.graph_file(cache_dir, parts, f"{name}-{key}")
                 runs[GraphJob(forward, args, path)] = run
-        if background and can_compile_in_background(list(runs)):
-            probes: list[str] = []
+        return runs
 
-            @contextlib.contextmanager
-            def settings() -> Any:
-                with (
-                    compile_settings(self.config.freeze_weights, inductor_dir),
-                    vec_isa_probes(cache.recorded_probes(record)) as probed,
-                ):
-                    yield
-                probes.extend(probed)
+    def _compile_in_background(
+        self,
+        runs: dict[GraphJob, Any],
+        inductor_dir: str | None,
+        record: dict[str, Any] | None,
+        cache_dir: str | None,
+        parts: dict[str, Any],
+    ) -> None:
+        """Compile `runs`' graphs in forked workers while steps run eagerly
+        (`BackgroundGraphs`); the cache entry is marked complete once all are in."""
+        hit = record is not None
+        probes: list[str] = []
 
-            def ready_and_record(job: GraphJob) -> None:
-                runs[job]()
-                runs.pop(job)
-                if not runs and cache_dir is not None and not hit:
-                    cache.mark_complete(cache_dir, parts, probes)
+        @contextlib.contextmanager
+        def settings() -> Any:
+            with (
+                compile_settings(self.config.freeze_weights, inductor_dir),
+                vec_isa_probes(cache.recorded_probes(record)) as probed,
+            ):
+                yield
+            probes.extend(probed)
 
-            jobs = list(runs)
-            self.background = BackgroundGraphs(
-                jobs, compile_workers(jobs), ready_and_record, settings
-            )
-            return hit
-        with (
-            compile_settings(self.config.freeze_weights, inductor_dir),
-            vec_isa_probes(cache.recorded_probes(record)) as probed,
-        ):
-            with tqdm(
-                total=len(runs),
-                desc="Loading graphs" if hit else "Compiling graphs",
-                unit="graph",
-                disable=not show_progress,
-                dynamic_ncols=True,
-            ) as bar:
+        def ready_and_record(job: GraphJob) -> None:
+            runs[job]()
+            runs.pop(job)
+            if not runs and cache_dir is not None and not hit:
+                cache.mark_complete(cache_dir, parts, probes)
 
-                def ready(job: GraphJob) -> None:
-                    runs[job]()
-                    bar.update()
+        jobs = list(runs)
+        self.background = BackgroundGraphs(jobs, compile_workers(jobs), ready_and_record, settings)
 
-                jobs = list(runs)
-                prepare_graphs(jobs, compile_workers(jobs), ready)
-        if cache_dir is not None and not hit:
-            cache.mark_complete(cache_dir, parts, probed)
-        return hit
+
+def _controlled(
+    logits: torch.Tensor,
+    sampling: list[ScheduledRequest],
+    spans: list[tuple[int, tuple[int, ...]]],
+) -> tuple[dict[str, str], torch.Tensor]:
+    """Apply each row's logits controls and grammar in place; returns (the error of each
+    request that cannot sample, by id; each row's argmax). A request whose logits row is
+    NaN/inf (or whose own logits processor failed) fails alone; the others sample as usual."""
+    failed = apply_controls(
+        logits,
+        [r.controls for r in sampling],
+        [r.prompt_token_ids for r in sampling],
+        [r.output_token_ids for r in sampling],
+    )
+    _apply_grammars(logits, sampling, spans, failed)
+    bad = dict(failed)
+    maxima, argmax = row_maxima(logits)
+    for i in set(non_finite_rows(logits, maxima)) - failed.keys():
+        r = sampling[i]
+        bad[i] = (
+            f"the model's logits for request {r.request_id!r} contain NaN or inf at output "
+            f"token {len(r.output_token_ids)} (adapter: {r.lora_id}; after the request's "
+            "logits controls, if any); no token was sampled"
+        )
+    return {sampling[i].request_id: error for i, error in sorted(bad.items())}, argmax
 
 
 def _spec_rows(
