@@ -6,12 +6,13 @@ Cache layout per layer: `kv_cache [2, num_blocks, block_size, num_kv_heads, head
 so a sequence may read blocks that another sequence of the same step fills (prefix hits).
 
 One call handles a whole mixed batch with no Python loop over sequences:
-- the K/V writes and the decodes (one new token) go to `ember_cpu::paged_attention_cpu` (C++,
-  reading the blocks in place, with its own flash-decoding split, `ember.kernels`) when it is
-  built; where no compiler is available, decodes are attended together: each sequence's
-  context is gathered once from its blocks and the query heads of a GQA group are folded into
-  the query-length axis, so each K/V head is read once for all the query heads that share it
-  (no `repeat_interleave`);
+- the K/V writes and the decodes (one new token) go to `ember_cpu::paged_attention` (C++,
+  reading the blocks in place, with its own flash-decoding split, `ember.kernels`; what it
+  leaves comes back through `ember::paged_attention_rest`) when it is built; where no
+  compiler is available, decodes are attended together: each sequence's context is gathered
+  once from its blocks and the query heads of a GQA group are folded into the query-length
+  axis, so each K/V head is read once for all the query heads that share it (no
+  `repeat_interleave`);
   when there are fewer (sequence, K/V head) pairs than threads and the context is long, the
   context is split into partitions that are attended in parallel and merged by their
   log-sum-exp (flash-decoding);
@@ -255,7 +256,7 @@ def paged_attention(
     return out.to(query.dtype)
 
 
-# What `attend_rest` attends (the flags `ember_cpu::paged_attention_cpu` returns).
+# What `attend_rest` attends (the flags the C++ kernel's `attend_step` returns).
 _CHUNKS, _DECODES = 1, 2
 
 

@@ -26,7 +26,6 @@ OPAQUE_OPS: dict[str, str] = {
     "ember::cross_attention_ranges": "ember.attention.ops",
     "ember::lora_shrink": "ember.lora.ops",
     "ember::lora_expand": "ember.lora.ops",
-    "ember_cpu::paged_attention_cpu": "ember.kernels",
     "ember_cpu::packed_linear": "ember.kernels",
     "ember_cpu::group_linear": "ember.kernels",
     "ember_cpu::pack_linear_weight": "ember.kernels",

@@ -6,14 +6,15 @@ registered as aten-style ops (`torch.ops.ember_cpu.*`), so compiled graphs call 
 through the dispatcher (the per-layer ones through the build's fast calls:
 `install_fast_calls`).
 
-`ember_cpu::paged_attention_cpu(out, query, key, value, cache, slot_mapping, query_start_loc,
-seq_lens, block_tables, scale, sliding_window, split_min_tokens) -> flags`: the torch attention
-backend's common case in one call: writes the step's K/V, then attends every decode in place
-from the paged cache (fp32 or bf16), every K/V head of a sequence per task (a block's rows read
-contiguously), online softmax in fp32, the GQA group's query heads sharing each K/V row; with
-too few decodes to keep the threads busy, each context is split into parts of at least
-`split_min_tokens` merged by log-sum-exp (flash-decoding). Prefill chunks are left to the
-PyTorch code, as the returned flags say. It replaces
+`ember_cpu::paged_attention(query, key, value, kv_cache, slot_mapping, query_start_loc,
+seq_lens, block_tables, scale, sliding_window, softcap, causal) -> out`: the torch attention
+backend's op (`ember::paged_attention`'s contract) with its common case in C++: writes the
+step's K/V, then attends every decode in place from the paged cache (fp32, bf16 or int8), every
+K/V head of a sequence per task (a block's rows read contiguously), online softmax in fp32, the
+GQA group's query heads sharing each K/V row; with too few decodes to keep the threads busy,
+each context is split into parts of at least 32 tokens merged by log-sum-exp
+(flash-decoding). Prefill chunks whose rows see too many positions, and soft-capped models,
+go back to the PyTorch code (`ember::paged_attention_rest`, `ember::paged_attention`). It replaces
 about 20 small ATen calls per layer (write, gather, mask, SDPA, scatter) that cost ~0.45 ms
 per layer at batch 1.
 

@@ -15,7 +15,7 @@ import torch
 from ember.attention import BackendUnavailableError, select_backend
 from ember.attention.metadata import build_attention_metadata
 from ember.attention.ops import dequantize_kv_rows, kv_row_width, quantize_kv_rows
-from ember.attention.reference import ref_attention
+from tests.attention.reference import ref_attention
 
 pytestmark = pytest.mark.host_isa  # on this CPU and as an AVX2-only host: tests/host_isa.py
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ember.lora import ops  # noqa: F401
-from ember.lora.reference import ref_lora_delta
+from tests.lora.reference import ref_lora_delta
 
 
 @pytest.mark.parametrize(

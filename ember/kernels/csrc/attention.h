@@ -558,15 +558,15 @@ void write_slots(at::Tensor& cache, const at::Tensor& key, const at::Tensor& val
   const int64_t T = slot_mapping.numel(), D = key.size(-1);
   const bool int8 = cache.scalar_type() == at::kChar;
   TORCH_CHECK(cache.size(4) == D + (int8 ? kRowScaleBytes : 0),
-              "paged_attention_cpu: the cache's rows hold ", cache.size(4),
+              "paged_attention: the cache's rows hold ", cache.size(4),
               " values, K/V heads ", D);
   const int64_t row = Hkv * cache.size(4), elem = cache.element_size();
   TORCH_CHECK(key.numel() == T * Hkv * D && value.numel() == T * Hkv * D,
-              "paged_attention_cpu: key/value must hold one [Hkv, D] row per slot");
+              "paged_attention: key/value must hold one [Hkv, D] row per slot");
   std::vector<int64_t> slots_buf;
   const int64_t* sp = as_int64(slot_mapping, slots_buf);
   for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < rows, "paged_attention_cpu: slot ", sp[t],
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < rows, "paged_attention: slot ", sp[t],
                 " is outside the cache's ", rows, " slots");
   }
   char* base = static_cast<char*>(cache.data_ptr());
@@ -625,10 +625,10 @@ int64_t attend_step(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
                     const at::Tensor& block_tables, double scale, int64_t sliding_window,
                     int64_t split_min_tokens, bool causal, bool chunks) {
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && cache.is_contiguous(),
-              "paged_attention_cpu: out must be contiguous float32, the cache contiguous");
+              "paged_attention: out must be contiguous float32, the cache contiguous");
   TORCH_CHECK(cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16 ||
                   cache.scalar_type() == at::kChar,
-              "paged_attention_cpu: the cache must be float32, bfloat16 or int8");
+              "paged_attention: the cache must be float32, bfloat16 or int8");
   const int64_t H = query.size(1), D = query.size(2);
   write_slots(cache, key, value, slot_mapping);
   std::vector<int64_t> qsl_buf, lens_buf, tables_buf;
@@ -701,20 +701,6 @@ int64_t attend_step(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
   return flags;
 }
 
-// The torch backend's paged attention for the common case, in one call: write the step's K/V
-// into the cache, then attend every decode (one new token) in place from the blocks into
-// `out` (float32, zeros). Returns flags for what is left to the PyTorch code: 1 = prefill
-// chunks / prefix hits are present (2, decodes, is never left: a decode whose context is
-// worth splitting is split here, into parts of at least split_min_tokens).
-int64_t paged_attention_cpu(at::Tensor out, const at::Tensor& query, const at::Tensor& key,
-                            const at::Tensor& value, at::Tensor cache,
-                            const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
-                            const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                            double scale, int64_t sliding_window, int64_t split_min_tokens) {
-  return attend_step(out, query, key, value, cache, slot_mapping, query_start_loc, seq_lens,
-                     block_tables, scale, sliding_window, split_min_tokens, true, false);
-}
-
 // The shortest part of a decode's context that the flash-decoding split makes: two blocks of
 // 16, so a batch-1 decode over llama-160m's 140-token W-LAT context already gives two threads
 // four parts (the value itself was not tuned against others).
@@ -722,7 +708,7 @@ constexpr int64_t kSplitMinTokens = 32;
 
 // `ember::paged_attention` (the torch backend's op, contract in ember.attention.ops) with the
 // common case in C++: a decode step runs no Python at all (the Python op's own wrapper cost
-// ~10 us per layer). What `paged_attention_cpu` leaves (prefill chunks, split decodes) and
+// ~10 us per layer). What `attend_step` leaves (prefill chunks, split decodes) and
 // soft-capped models go to the PyTorch code through the dispatcher
 // (`ember::paged_attention_rest` / `ember::paged_attention`, ember.attention.torch_cpu).
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,

@@ -44,10 +44,6 @@ TORCH_LIBRARY(ember_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("fp32_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def(
-      "paged_attention_cpu(Tensor(a!) out, Tensor query, Tensor key, Tensor value, "
-      "Tensor(b!) cache, Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, "
-      "Tensor block_tables, float scale, int sliding_window, int split_min_tokens) -> int");
-  m.def(
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
       "Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
       "float scale, int sliding_window, float softcap, bool causal) -> Tensor");
@@ -79,7 +75,6 @@ TORCH_LIBRARY(ember_cpu, m) {
 TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
   m.impl("bf16_linear", &bf16_linear);
   m.impl("fp32_linear", &fp32_linear);
-  m.impl("paged_attention_cpu", &paged_attention_cpu);
   m.impl("paged_attention", &paged_attention);
   m.impl("paged_attention_opaque", &paged_attention);
   m.impl("apply_token_bitmask", &apply_token_bitmask);
