@@ -19,6 +19,7 @@ from ember.host import memory
 from ember.host.dirs import default_compile_cache_dir
 from ember.runtime.config import EngineArgs
 from ember.runtime.llm import load_chat_template
+from ember.serve import limits
 from ember.tools import bench
 from ember.tools.chat_cli import add_chat_parser, cmd_chat
 from ember.tools.checkpoints import (
@@ -449,6 +450,7 @@ def _add_serve_parser(sub: Any) -> None:
         help="serve --replicas N with Ray Serve (RAY_ADDRESS or local)",
     )
     srv.add_argument("--replicas", type=int, default=2, help="Ray Serve replicas (with --ray)")
+    _add_serve_limits(srv)
     # A server answers at once: its graphs compile in the background (--no-background-compile:
     # compile them all before the first request, as `LLM` does).
     srv.set_defaults(func=cmd_serve, background_compile=True)
@@ -481,11 +483,54 @@ def cmd_serve(args: argparse.Namespace) -> int:
             template, tool_options,
         )  # fmt: skip
         return 0
+    limits = {f: getattr(args, f) for f in _LIMIT_FLAGS if getattr(args, f) is not None}
     serve(
         engine_args, args.host, args.port, api_key, name, args.lora_modules, template,
-        tool_options,
+        tool_options, limits, args.host_memory_fraction, args.shutdown_timeout,
     )  # fmt: skip
     return 0
+
+
+# `ember serve`'s per-request limits: `ServeLimits`' fields (max_n defaults to max_num_seqs).
+_LIMIT_FLAGS = ("max_n", "max_request_bytes", "max_prompts", "max_stop_strings",
+                "max_stop_string_chars", "max_tools", "max_schema_bytes")  # fmt: skip
+
+
+def _add_serve_limits(srv: argparse.ArgumentParser) -> None:
+    """`ember serve`'s bounds on one request, its memory budget and its shutdown."""
+    group = srv.add_argument_group(
+        "limits (a request over one gets a 400 naming the field and the limit)"
+    )
+    helps = {
+        "max_n": "sequences per request, n (default: --max-num-seqs)",
+        "max_request_bytes": f"request body bytes (default {limits.MAX_REQUEST_BYTES})",
+        "max_prompts": f"prompts or inputs per request (default {limits.MAX_PROMPTS})",
+        "max_stop_strings": f"stop strings (default {limits.MAX_STOP_STRINGS})",
+        "max_stop_string_chars": f"characters per stop string (default "
+        f"{limits.MAX_STOP_STRING_CHARS})",
+        "max_tools": f"tools per chat request (default {limits.MAX_TOOLS})",
+        "max_schema_bytes": "bytes of each of tools, response_format and structured outputs "
+        f"as JSON (default {limits.MAX_SCHEMA_BYTES})",
+    }
+    for field in _LIMIT_FLAGS:
+        group.add_argument("--" + field.replace("_", "-"), type=int, default=None,
+                           help=helps[field])  # fmt: skip
+    group.add_argument(
+        "--host-memory-fraction",
+        type=float,
+        default=0.9,
+        help="requests are admitted while the process's memory (resident, plus what admitted "
+        "requests may still hold) stays within this fraction of the machine's (or its "
+        "cgroup's); past it they get 503 with Retry-After (default 0.9)",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds requests in flight have to finish after SIGTERM/SIGINT, which stops "
+        "taking new ones (503); then they are aborted and the server exits; a second signal "
+        "exits at once (default 30)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

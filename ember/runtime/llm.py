@@ -317,20 +317,31 @@ def render_chat(
         raise ValueError(
             f"chat_template_content_format must be auto, string or openai, got {content_format!r}"
         )
+    for i, message in enumerate(conversation):
+        _check_message(i, message)
     images: list[Any] = []
     conversation = [_take_images(m, images, image_token) for m in conversation]
     if content_format != "openai":
         conversation = [_string_content(m, image_token) for m in conversation]
     conversation = [_tool_call_arguments(m) for m in conversation]
-    text = tokenizer.apply_chat_template(
-        conversation,
-        chat_template=chat_template,
-        tools=tools,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        tokenize=False,
-        **(kwargs or {}),
-    )
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **(kwargs or {}),
+        )
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001  (Jinja's errors, and the template's own raises)
+        raise ValueError(
+            f"the chat template failed on these messages: {type(e).__name__}: {e}"
+        ) from e
+    if not isinstance(text, str):
+        raise ValueError(f"the chat template made a {type(text).__name__}, not a string")
     ids = tokenizer.encode(text, add_special_tokens=False)
     prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": list(ids)}
     if images:
@@ -339,6 +350,32 @@ def render_chat(
 
 
 _IMAGE_PARTS = ("image", "image_pil", "image_url")
+
+
+def _check_message(index: int, message: Any) -> None:
+    """ValueError naming the field where message `index` is not {"role": str, "content": a
+    string, a list of content parts (strings or dicts with a string "type"), or null}."""
+    if not isinstance(message, dict):
+        raise ValueError(f"messages[{index}] must be an object, got {type(message).__name__}")
+    if not isinstance(message.get("role"), str):
+        role = message.get("role")
+        raise ValueError(f"messages[{index}].role must be a string, got {role!r:.60}")
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise ValueError(
+            f"messages[{index}].content must be a string, a list of content parts or null, "
+            f"got {type(content).__name__}"
+        )
+    for j, part in enumerate(content):
+        if not isinstance(part, str) and not (
+            isinstance(part, dict) and isinstance(part.get("type"), str)
+        ):
+            raise ValueError(
+                f"messages[{index}].content[{j}] must be a string or an object with a string "
+                f"'type', got {part!r:.60}"
+            )
 
 
 def _take_images(

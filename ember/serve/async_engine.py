@@ -19,8 +19,11 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any
 
+from ember.errors import EngineOverloadedError
 from ember.lora.adapter import LoRARequest
-from ember.runtime.engine import LLMEngine, PromptType
+from ember.runtime.admission import HostMemoryBudget, request_bytes
+from ember.runtime.engine import LLMEngine
+from ember.runtime.input_processor import PromptType
 from ember.runtime.outputs import RequestOutput
 from ember.runtime.request import RequestOutputKind, SamplingParams
 from ember.serve.metrics import EngineMetrics
@@ -31,8 +34,12 @@ _DONE = object()  # end of a request's stream
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    """`budget`: admission by host memory (`HostMemoryBudget`): a request that would take the
+    process past it is refused with `EngineOverloadedError` before it is queued."""
+
+    def __init__(self, engine: LLMEngine, budget: HostMemoryBudget | None = None) -> None:
         self.engine = engine
+        self.budget = budget
         self._cond = threading.Condition()
         self._commands: list[tuple[str, Any]] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -110,7 +117,9 @@ class AsyncLLMEngine:
     # ---- the loop thread -------------------------------------------------------------------
     def _post(self, kind: str, payload: Any) -> None:
         with self._cond:
-            if self._stopped or self.errored is not None:
+            if self._stopped:
+                raise EngineOverloadedError("the server is shutting down")
+            if self.errored is not None:
                 raise RuntimeError("the engine loop is not running")
             self._commands.append((kind, payload))
             self._cond.notify()
@@ -161,16 +170,41 @@ class AsyncLLMEngine:
         try:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            if kind == "embed":
-                self.engine.add_embed_request(request_id, prompt)
-            else:
-                self.engine.add_request(request_id, prompt, params, lora)
+            self._admit(request_id, prompt, params)
+            try:
+                if kind == "embed":
+                    self.engine.add_embed_request(request_id, prompt)
+                else:
+                    self.engine.add_request(request_id, prompt, params, lora)
+            except BaseException:
+                self._release(request_id)
+                raise
         except Exception as e:  # noqa: BLE001  (bad input: the caller gets it, the loop goes on)
             added.set_exception(e)
             return
         self._streams[request_id] = (loop, queue)
         self.metrics.arrived(request_id)
         added.set_result(None)
+
+    def _admit(self, request_id: str, prompt: PromptType, params: SamplingParams | None) -> None:
+        """Reserve the request's host memory in the budget (EngineOverloadedError when full)."""
+        if self.budget is None:
+            return
+        max_model_len = self.engine.config.max_model_len
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            size = len(ids) * 8 if isinstance(ids, list) else 0
+            tokens = min(len(ids) if isinstance(ids, list) else 0, max_model_len)
+        else:
+            text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+            size = len(text.encode("utf-8", "replace")) if isinstance(text, str) else 0
+            tokens = min(size, max_model_len)  # a token is one byte of text at the least
+        params = params if params is not None else SamplingParams(max_tokens=1)
+        self.budget.admit(request_id, request_bytes(params, size, tokens, max_model_len))
+
+    def _release(self, request_id: str) -> None:
+        if self.budget is not None:
+            self.budget.release(request_id)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         stream = self._streams.get(request_id)
@@ -182,6 +216,7 @@ class AsyncLLMEngine:
         done = item is _DONE or isinstance(item, BaseException) or item.finished
         if done:
             del self._streams[request_id]
+            self._release(request_id)
         try:
             loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:  # the caller's event loop is closed: nobody is listening

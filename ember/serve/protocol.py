@@ -37,6 +37,7 @@ class _Sampling(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
+    best_of: int | None = None  # vLLM's; only best_of == n (every sequence is returned)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None

@@ -28,12 +28,17 @@ from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
+from ember.errors import EngineOverloadedError
 from ember.lora.adapter import LoRARequest
+from ember.runtime.admission import HostMemoryBudget
+from ember.runtime.engine import LLMEngine
 from ember.runtime.llm import render_chat
 from ember.runtime.outputs import RequestOutput
 from ember.runtime.request import SamplingParams
@@ -41,6 +46,7 @@ from ember.runtime.structured import StructuredOutputsParams
 from ember.serve.async_engine import AsyncLLMEngine
 from ember.serve.chat_outputs import ChatTools
 from ember.serve.choices import ChoiceBuilder, Chunk, usage
+from ember.serve.limits import ServeLimits
 from ember.serve.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -73,6 +79,8 @@ class _Server:
     tools: ChatTools
     defaults: dict[str, Any]  # the engine's default sampling (the generation config's)
     created: int  # when the app was built: the models' and answers' `created`
+    limits: ServeLimits
+    draining: bool = False  # shutting down: new requests get 503
 
     @property
     def tokenizer(self) -> Any:
@@ -104,21 +112,28 @@ def build_app(
     loras: dict[str, LoRARequest] | None = None,
     chat_template: str | None = None,
     chat_tools: ChatTools | None = None,
+    limits: ServeLimits | None = None,
 ) -> FastAPI:
     """The server's app over a running async engine, serving the model as `model_name` and
     each LoRA adapter of `loras` as a model of its own name (as vLLM's `--lora-modules`).
     `chat_template`: the server's template (`--chat-template`), over the tokenizer's;
     a request's own `chat_template` wins over both. `chat_tools`: the tool-call and reasoning
-    parsers (`ChatTools`; default: none, so `auto` tool choice is refused)."""
+    parsers (`ChatTools`; default: none, so `auto` tool choice is refused). `limits`: what one
+    request may ask for (default: `ServeLimits` with `n` up to the engine's max_num_seqs).
+    `app.state.server.draining = True` makes every later request a 503 (a shutdown)."""
     tokenizer = engine.engine.tokenizer
+    if limits is None:
+        limits = ServeLimits(max_n=engine.engine.config.max_num_seqs)
     server = _Server(
         engine, model_name, dict(loras or {}), chat_template,
         chat_tools if chat_tools is not None else ChatTools(tokenizer),
-        engine.engine.default_sampling, int(time.time()),
+        engine.engine.default_sampling, int(time.time()), limits,
     )  # fmt: skip
     app = FastAPI(title="ember", docs_url=None, redoc_url=None)
+    app.state.server = server
+    app.add_middleware(_BodyCheck, max_bytes=limits.max_request_bytes)
     # The order routes are added in is the order of /openapi.json.
-    _add_checks(app, api_key)
+    _add_checks(app, api_key, server)
     _add_info_routes(app, server)
     _add_embedding_route(app, server)
     _add_token_routes(app, server)
@@ -126,16 +141,39 @@ def build_app(
     return app
 
 
-def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
+# OpenAI's error types by HTTP status.
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    503: "ServiceUnavailableError",
+}
+# Seconds a client is told to wait before retrying a request refused for load or shutdown.
+RETRY_AFTER_S = 1
+
+
+def _error(status: int, message: str, kind: str | None = None) -> JSONResponse:
+    kind = kind or _ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "Error")
     body = ErrorResponse(error=ErrorInfo(message=message, type=kind, code=status))
-    return JSONResponse(body.model_dump(), status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-def _add_checks(app: FastAPI, api_key: str | None) -> None:
-    """The API key check and the 422 answer to a body that fails validation."""
+def _add_checks(app: FastAPI, api_key: str | None, server: _Server) -> None:
+    """Before a route runs: shutting down (503) and the API key (401) (the body's size and type
+    are `_BodyCheck`'s). After: every error in OpenAI's shape (a body that fails validation: 422; an
+    engine at its memory budget or shutting down: 503 with Retry-After; anything unforeseen:
+    500)."""
 
     @app.middleware("http")
-    async def check_key(request: Request, call_next: Any) -> Any:
+    async def check_request(request: Request, call_next: Any) -> Any:
+        if server.draining:
+            return _error(503, "the server is shutting down")
         if api_key is not None and request.url.path not in ("/", "/health"):
             if request.headers.get("authorization") != f"Bearer {api_key}":
                 return _error(401, "invalid or missing API key", "AuthenticationError")
@@ -144,9 +182,70 @@ def _add_checks(app: FastAPI, api_key: str | None) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors()
+            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
+            for e in exc.errors()
         )
         return _error(422, f"invalid request body: {errors}", "UnprocessableEntityError")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(EngineOverloadedError)
+    async def overloaded(request: Request, exc: EngineOverloadedError) -> JSONResponse:
+        return _error(503, str(exc))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+class _BodyCheck:
+    """ASGI middleware: a POST body that says it is not JSON gets a 415, one over
+    `max_bytes` a 413 (read here, at most `max_bytes` of it, then handed to the app)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        kind = headers.get(b"content-type", b"").decode("latin-1")
+        length = headers.get(b"content-length", b"").decode("latin-1")
+        refused = None
+        if kind and "json" not in kind.lower():
+            refused = _error(415, f"Content-Type must be application/json, got {kind[:80]!r}")
+        elif length.isdigit() and int(length) > self.max_bytes:
+            refused = _error(413, f"the request body is {length} bytes; at most "
+                                  f"{self.max_bytes} are taken")  # fmt: skip
+        if refused is not None:
+            await refused(scope, receive, send)
+            return
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                await _error(413, f"the request body is over {self.max_bytes} bytes")(
+                    scope, receive, send
+                )
+                return
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
 # NOTE: the route functions have no docstrings and keep their names: both are in /openapi.json
@@ -192,8 +291,12 @@ def _add_embedding_route(app: FastAPI, server: _Server) -> None:
             )
         rid = f"embd-{uuid.uuid4().hex}"
         try:
+            prompts = _prompts(body.input)
+            if len(prompts) > server.limits.max_prompts:
+                raise ValueError(f"input must be at most {server.limits.max_prompts} inputs "
+                                 f"(prompts per request), got {len(prompts)}")  # fmt: skip
             outs = await asyncio.gather(*(
-                server.engine.embed(f"{rid}-{i}", p) for i, p in enumerate(_prompts(body.input))
+                server.engine.embed(f"{rid}-{i}", p) for i, p in enumerate(prompts)
             ))  # fmt: skip
         except ValueError as e:
             return _error(400, str(e))
@@ -257,8 +360,9 @@ def _add_completion_routes(app: FastAPI, server: _Server) -> None:
         if isinstance(lora := server.check_model(body.model), JSONResponse):
             return lora
         try:
-            params = body.sampling_params(server.defaults, body.max_tokens)
             prompts = _prompts(body.prompt)
+            server.limits.check(body, len(prompts))
+            params = body.sampling_params(server.defaults, body.max_tokens)
         except ValueError as e:
             return _error(400, str(e))
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -288,6 +392,7 @@ def _prompts(prompt: Any) -> list[Any]:
 def _chat_request(server: _Server, body: ChatRequest) -> tuple[Any, SamplingParams, Any]:
     """A chat request's rendered prompt, sampling params and tool mode; ValueError for a bad
     request (a tool choice the server cannot honour, a template that fails, bad sampling)."""
+    server.limits.check(body)
     tools = server.tools
     mode = tools.mode(body.tools, body.tool_choice)
     prompt = server.render(body, body.messages)
@@ -363,17 +468,20 @@ async def _start(
     lora: LoRARequest | None,
 ) -> _Streams | JSONResponse:
     """Each prompt's engine stream with its first output (the engine has checked the prompt
-    by then), or a 400 for the first bad prompt, with the streams started before it closed."""
+    by then), or a 400 for the first bad prompt, with the streams started before it closed
+    (EngineOverloadedError, a request refused for load, closes them too and goes on up)."""
     streams: _Streams = []
     try:
         for i, prompt in enumerate(prompts):
             stream = engine.generate(f"{rid}-{i}", prompt, params, lora)
             first = await anext(stream, None)  # raises ValueError for bad input
             streams.append((stream, first))
-    except ValueError as e:
+    except BaseException as e:
         for stream, _ in streams:
             await stream.aclose()  # type: ignore[attr-defined]
-        return _error(400, str(e))
+        if isinstance(e, ValueError):
+            return _error(400, str(e))
+        raise
     return streams
 
 
@@ -437,28 +545,55 @@ def serve(
     lora_modules: list[str] | None = None,
     chat_template: str | None = None,
     tool_options: dict[str, Any] | None = None,
+    limits: dict[str, int] | None = None,
+    host_memory_fraction: float = 0.9,
+    shutdown_timeout: float = 30.0,
 ) -> None:
     """Build the engine (its graphs compiled first, or in the background with
     `background_compile`), then serve until interrupted.
     `tool_options`: `ChatTools`' keyword arguments (`enable_auto_tool_choice`,
-    `tool_call_parser`, `reasoning_parser`), checked before the engine is built."""
-    import uvicorn  # noqa: PLC0415
-
-    from ember.runtime.engine import LLMEngine  # noqa: PLC0415
-
+    `tool_call_parser`, `reasoning_parser`), checked before the engine is built. `limits`:
+    `ServeLimits`' fields over their defaults. `host_memory_fraction`: the host memory budget
+    requests are admitted within (`HostMemoryBudget`). SIGTERM or SIGINT: new requests get
+    503, those in flight have `shutdown_timeout` seconds to finish (then they are aborted),
+    and the process exits; a second signal exits at once."""
     loras = parse_lora_modules(lora_modules)
     if loras and not engine_args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    if not shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
     tools = ChatTools(None, **(tool_options or {}))  # bad parser names fail before the engine
+    budget = HostMemoryBudget.fraction(host_memory_fraction)
     config = engine_args.create_engine_config()
+    serve_limits = ServeLimits(**{"max_n": config.max_num_seqs, **(limits or {})})
     llm_engine = LLMEngine.from_config(config)
     for lora in loras.values():  # checked (and loaded) before the server takes requests
         assert llm_engine.lora is not None
         llm_engine.lora.add(lora)
-    engine = AsyncLLMEngine(llm_engine)
+    engine = AsyncLLMEngine(llm_engine, budget)
     tools.tokenizer = llm_engine.tokenizer
-    app = build_app(engine, model_name or engine_args.model, api_key, loras, chat_template, tools)
+    app = build_app(engine, model_name or engine_args.model, api_key, loras, chat_template, tools,
+                    serve_limits)  # fmt: skip
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                               timeout_graceful_shutdown=shutdown_timeout)  # fmt: skip
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        _DrainingServer(uv_config, app.state.server).run()
     finally:
         engine.shutdown()
+
+
+class _DrainingServer(uvicorn.Server):  # type: ignore[misc]
+    """uvicorn's server, which on the first SIGTERM or SIGINT stops accepting connections and
+    waits for those open (up to `timeout_graceful_shutdown`); here the app also answers 503 to
+    requests that still arrive on them, and a second signal of either kind exits at once
+    (uvicorn's own: only a second SIGINT)."""
+
+    def __init__(self, config: uvicorn.Config, server: _Server) -> None:
+        super().__init__(config)
+        self.app_server = server
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.app_server.draining = True
+        if self.should_exit:
+            self.force_exit = True
+        super().handle_exit(sig, frame)
