@@ -24,8 +24,9 @@ GGUF_CACHE_MAX_BYTES = 512 << 20
 
 
 # Changes when what ember writes there changes (2: tokenizers with "a b" merges, indexes; 3:
-# indexes pickle `TensorType` from `ember.model.gguf.reader`).
-_CACHE_LAYOUT = 3
+# indexes pickle `TensorType` from `ember.model.gguf.reader`; 4: from `ember.model.gguf.index`,
+# configs and tokenizers built from ember's own parse).
+_CACHE_LAYOUT = 4
 
 
 def _cache_entry(path: str, what: str) -> str | None:

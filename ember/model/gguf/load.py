@@ -1,11 +1,12 @@
 """GGUF files (llama.cpp's format): the config, tokenizer and weights of one `.gguf` file, mapped
 to the transformers model of its architecture, whose code then runs unmodified.
 
-Metadata, tokenizer (with its chat template) and the tensor-name mapping come from transformers'
-own GGUF support (`gguf_file=`, `get_gguf_hf_weights_map`, the per-architecture tensor
-processors: the reverse of llama.cpp's Q/K row permutation, Gemma's norm offset); the file is
-read with the `gguf` package. What transformers does not do is keep the weights quantized: its
-loader dequantizes every tensor to fp32. Here each tensor is placed in the model as it is read:
+The file is read by ember's own parser (`reader`); metadata, tokenizer (with its chat template)
+and the tensor-name mapping are made as transformers' own GGUF support makes them (`hf`,
+`names`), and its per-architecture tensor processors are applied (the reverse of llama.cpp's
+Q/K row permutation, Gemma's norm offset). What transformers does not do is keep the weights
+quantized: its loader dequantizes every tensor to fp32. Here each tensor is placed in the model as
+it is read:
 
 - Q8_0, Q4_0 and Q4_1 linear weights become `GroupLinear`s holding the file's codes and scales
   exactly (fp16 scales, 8- or 4-bit codes, multiplied by ember's int8 dot-product kernel); a
@@ -53,8 +54,9 @@ from ember.model.gguf.convert import (
     fused_group_linear,
     group_linear_from_file,
 )
-from ember.model.gguf.hf import _name_maps_built_once
-from ember.model.gguf.reader import DENSE_TYPES, _architecture, _IndexedFile, _reader, _save_index
+from ember.model.gguf.index import _IndexedFile, _save_index
+from ember.model.gguf.names import weights_map
+from ember.model.gguf.reader import DENSE_TYPES, _architecture, _reader
 from ember.model.layers.group import (
     BLOCK_TYPES,
     GroupEmbedding,
@@ -98,11 +100,7 @@ def load_gguf_model(
     path: str, config: PretrainedConfig, auto_class: Any, attn_implementation: str
 ) -> nn.Module:
     """The transformers model of `config` with the file's weights (see the module doc)."""
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-    )
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     reader = _reader(path, light=True)  # tensors and the architecture only
     arch = _architecture(reader, path)
@@ -113,9 +111,8 @@ def load_gguf_model(
     names = reader.names.get(model_class) if isinstance(reader, _IndexedFile) else None
     if names is None:
         # Names by the file's own architecture (Mistral files say "llama", which gguf-py maps).
-        with _name_maps_built_once():
-            names = get_gguf_hf_weights_map(model, processor, model_type=arch)
-        _save_index(path, reader, model_class, names)
+        names = weights_map(model, processor, arch)
+        _save_index(path, reader, arch, model_class, names)
     # Each tensor's file pages are dropped from the process once it is converted, and the C
     # heap's freed temporaries returned now and then: qwen2-0.5b Q4_0 (350 MB) loaded with a
     # peak of +1,000 MB over the imports, +800 MB with the conversions chunked alone.

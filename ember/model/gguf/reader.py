@@ -1,11 +1,12 @@
-"""Reading a GGUF file: the `gguf` package's reader made fast for large metadata arrays (and a
-light one that skips them), ember's own index of a file's tensors, the architecture check, and
-the tensor-type counts."""
+"""Reading a GGUF file (llama.cpp's format, versions 2 and 3): ember's own parser of the header,
+the typed metadata and the tensor index, each tensor's data a typed view of the file's memory map
+(`GGUFFile`); the file's parse kept for one load (`_reader`, `release`), the architecture check
+and the tensor-type counts. The `gguf` package gives the tensor types (`GGMLQuantizationType`,
+`GGML_QUANT_SIZES`); nothing of its reader is used."""
 
 from __future__ import annotations
 
-import contextlib
-import logging
+import math
 import mmap
 import os
 import struct
@@ -15,23 +16,274 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ember.errors import UnsupportedModelError
-from ember.model.gguf.cache import _cache_entry, _load_pickle, _save_pickle
-
-logger = logging.getLogger("ember")
+from ember.model.gguf.index import TensorType, _drop_pages, _IndexedFile, _open_indexed
 
 # general.architecture values ember loads (Mistral files say "llama"; Gemma 3's text model).
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 
+# Metadata value types, numbered as in the GGUF spec (and `gguf.GGUFValueType`).
+UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = (
+    range(13)
+)
+# The fixed-size ones: (little-endian numpy type, struct format).
+_SCALAR_FORMATS = {
+    UINT8: ("<u1", "<B"),
+    INT8: ("<i1", "<b"),
+    UINT16: ("<u2", "<H"),
+    INT16: ("<i2", "<h"),
+    UINT32: ("<u4", "<I"),
+    INT32: ("<i4", "<i"),
+    FLOAT32: ("<f4", "<f"),
+    BOOL: ("?", "<?"),
+    UINT64: ("<u8", "<Q"),
+    INT64: ("<i8", "<q"),
+    FLOAT64: ("<f8", "<d"),
+}
+_SCALAR_DTYPES = {t: np.dtype(dtype) for t, (dtype, _) in _SCALAR_FORMATS.items()}
+_SCALARS = {t: struct.Struct(fmt) for t, (_, fmt) in _SCALAR_FORMATS.items()}
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_ARRAY_HEAD = struct.Struct("<IQ")  # item type, count
+_TENSOR_TAIL = struct.Struct("<IQ")  # tensor type, offset in the data section
+_HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, metadata count
 
-_readers: dict[str, Any] = {}  # path -> its reader, from the config read until the model is built
+VERSIONS = (2, 3)  # version 1 counted in 32 bits; llama.cpp has not written it since 2023
+_DEFAULT_ALIGNMENT = 32
+
+# A light parse steps over metadata arrays this long or longer (vocabulary, scores, merges).
+_LIGHT_ARRAY_MIN = 64
+
+# Tensor types whose data is values (the rest are blocks of bytes), by `GGMLQuantizationType` name.
+_VALUE_DTYPES = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "F64": np.float64,
+    "I8": np.int8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+}
 
 
-def _reader(path: str, light: bool = False) -> Any:
-    """The file's `GGUFReader` (memory-mapped), parsed once per load: the config, the tokenizer
-    and the weights all read it. `light`: a reader that skipped the metadata's large arrays
-    (the vocabulary) is enough; a full one is opened when only a light one is at hand.
-    `UnsupportedModelError` naming the problem for a missing, truncated or malformed file or
-    an unknown tensor type."""
+class GGUFFormatError(ValueError):
+    """The file is not a GGUF file ember can read; the message says why."""
+
+
+class Skipped(NamedTuple):
+    """A metadata array a light parse stepped over, and how long it is."""
+
+    count: int
+
+
+class Tensor(NamedTuple):
+    """One tensor of the file, as `gguf.ReaderTensor` describes it."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: np.ndarray  # uint64, ggml's order: the fastest dim first
+    n_elements: int
+    n_bytes: int
+    data_offset: int  # from the start of the file
+    # A view of the map: the values of a value type ([..., fastest dim]), else the bytes
+    # ([..., bytes a row]) as uint8 (BF16 included).
+    data: np.ndarray
+
+
+def _string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
+    (length,) = _U64.unpack_from(buf, pos)
+    end = pos + 8 + length
+    if end > len(buf):
+        raise GGUFFormatError("truncated: a string runs past the end of the file")
+    return str(buf[pos + 8 : end], "utf-8"), end
+
+
+def _strings(buf: mmap.mmap, pos: int, count: int, keep: bool) -> tuple[list[str], int]:
+    """`count` strings from `pos` (an empty list where not `keep`: stepped over), and the
+    offset past them. The loop is what a 262k-token vocabulary costs (0.1 s; 0.02 s stepped
+    over), so it is kept to one unpack and one slice a string."""
+    unpack, out = _U64.unpack_from, []
+    if keep:
+        append = out.append
+        for _ in range(count):
+            (length,) = unpack(buf, pos)
+            pos += 8
+            append(str(buf[pos : pos + length], "utf-8"))
+            pos += length
+    else:
+        for _ in range(count):
+            pos += 8 + unpack(buf, pos)[0]
+    if pos > len(buf):
+        raise GGUFFormatError("truncated: a string array runs past the end of the file")
+    return out, pos
+
+
+def _array(buf: mmap.mmap, pos: int, light: bool) -> tuple[Any, tuple[int, ...], int]:
+    """An array value at `pos`: (its items as a list, or `Skipped` where `light` steps over
+    it; its types: ARRAY and the items' types; the offset past it)."""
+    item_type, count = _ARRAY_HEAD.unpack_from(buf, pos)
+    pos += _ARRAY_HEAD.size
+    skip = light and count >= _LIGHT_ARRAY_MIN
+    dtype = _SCALAR_DTYPES.get(item_type)
+    if dtype is not None:
+        end = pos + count * dtype.itemsize
+        if end > len(buf):
+            raise GGUFFormatError("truncated: an array runs past the end of the file")
+        if skip:
+            return Skipped(count), (ARRAY, item_type), end
+        return np.frombuffer(buf, dtype, count, pos).tolist(), (ARRAY, item_type), end
+    if item_type == STRING:
+        values, pos = _strings(buf, pos, count, keep=not skip)
+        return (Skipped(count) if skip else values), (ARRAY, STRING), pos
+    if item_type == ARRAY:  # arrays of arrays: no architecture ember loads writes them
+        items, types = [], (ARRAY, ARRAY)
+        for i in range(count):
+            item, item_types, pos = _array(buf, pos, light=False)
+            items.append(item)
+            types = (ARRAY, *item_types) if i == 0 else types
+        return items, types, pos
+    raise GGUFFormatError(f"metadata array of unknown value type {item_type}")
+
+
+def _value(buf: mmap.mmap, pos: int, value_type: int, light: bool) -> tuple[Any, tuple, int]:
+    """A metadata value at `pos`: (the value, its types as `gguf.ReaderField.types` lists
+    them, the offset past it)."""
+    scalar = _SCALARS.get(value_type)
+    if scalar is not None:
+        return scalar.unpack_from(buf, pos)[0], (value_type,), pos + scalar.size
+    if value_type == STRING:
+        value, pos = _string(buf, pos)
+        return value, (STRING,), pos
+    if value_type == ARRAY:
+        return _array(buf, pos, light)
+    raise GGUFFormatError(f"metadata value of unknown type {value_type}")
+
+
+class GGUFFile:
+    """A GGUF file parsed: its `version`, `metadata` (key -> value: int, float, bool, str, or
+    a list for an array), each value's `types` (its type, and for an array ARRAY and the
+    items' types), its `tensors` (each one's data a view of the read-only memory map), the
+    data section's `alignment` and `data_offset`. Long metadata arrays (a 262k-token
+    vocabulary is three) are read a whole array at a time: Gemma 3 270M parses in 0.13 s
+    (`gguf.GGUFReader`: 8 s; ember's subclass of it, which replaced its private array
+    parser, 0.45 s).
+
+    `light`: metadata arrays of `_LIGHT_ARRAY_MIN` or more items are stepped over, their
+    keys and lengths in `skipped` instead of `metadata` (Gemma 3's in 0.02 s): for loads
+    whose config and tokenizer come from ember's cache, which read only the architecture
+    and the tensors. Raises `GGUFFormatError` (or `struct.error`, `UnicodeDecodeError`, an
+    `OSError`) for a file it cannot read."""
+
+    def __init__(self, path: str, light: bool = False) -> None:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < _HEADER.size:
+                raise GGUFFormatError("truncated: shorter than a GGUF header")
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.data = np.frombuffer(self._map, dtype=np.uint8)  # the whole file
+        self.light = light
+        self.metadata: dict[str, Any] = {}
+        self.types: dict[str, tuple[int, ...]] = {}
+        self.skipped: dict[str, int] = {}
+        pos = self._header()
+        for _ in range(self.kv_count):
+            pos = self._field(pos)
+        infos, pos = self._tensor_infos(pos)
+        self.alignment = self._alignment()
+        self.data_offset = -(-pos // self.alignment) * self.alignment
+        self.tensors = self._tensors(infos)
+
+    @property
+    def architecture(self) -> str | None:
+        return self.metadata.get("general.architecture")
+
+    def drop_pages(self, array: np.ndarray) -> None:
+        """Unmap the file pages under `array` (a tensor's data) from this process."""
+        _drop_pages(self._map, self.data, array)
+
+    def _header(self) -> int:
+        magic, version, self.tensor_count, self.kv_count = _HEADER.unpack_from(self._map, 0)
+        if magic != b"GGUF":
+            raise GGUFFormatError("not a GGUF file (no GGUF magic)")
+        if version & 0xFFFF == 0 and version:
+            raise GGUFFormatError("a big-endian GGUF file; only little-endian files are read")
+        if version not in VERSIONS:
+            raise GGUFFormatError(f"GGUF version {version} (versions {VERSIONS} are read)")
+        self.version = version
+        return _HEADER.size
+
+    def _field(self, pos: int) -> int:
+        key, pos = _string(self._map, pos)
+        (value_type,) = _U32.unpack_from(self._map, pos)
+        value, types, pos = _value(self._map, pos + 4, value_type, self.light)
+        if key in self.types:
+            raise GGUFFormatError(f"metadata key {key!r} appears twice")
+        self.types[key] = types
+        if isinstance(value, Skipped):
+            self.skipped[key] = value.count
+        else:
+            self.metadata[key] = value
+        return pos
+
+    def _tensor_infos(self, pos: int) -> tuple[list[tuple[str, tuple[int, ...], int, int]], int]:
+        """(name, dims in ggml's order, type id, offset in the data section) of each tensor,
+        and the offset past the tensor index."""
+        infos = []
+        for _ in range(self.tensor_count):
+            name, pos = _string(self._map, pos)
+            (n_dims,) = _U32.unpack_from(self._map, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", self._map, pos + 4)
+            type_id, offset = _TENSOR_TAIL.unpack_from(self._map, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + _TENSOR_TAIL.size
+            infos.append((name, dims, type_id, offset))
+        return infos, pos
+
+    def _alignment(self) -> int:
+        if "general.alignment" not in self.types:
+            return _DEFAULT_ALIGNMENT
+        alignment = self.metadata["general.alignment"]
+        if self.types["general.alignment"] != (UINT32,) or alignment & (alignment - 1) != 0:
+            raise GGUFFormatError(f"general.alignment {alignment!r} is not a uint32 power of 2")
+        if alignment == 0:
+            raise GGUFFormatError("general.alignment is 0")
+        return int(alignment)
+
+    def _tensors(self, infos: list[tuple[str, tuple[int, ...], int, int]]) -> list[Tensor]:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        tensors, names = [], set()
+        for name, dims, type_id, offset in infos:
+            if name in names:
+                raise GGUFFormatError(f"tensor {name!r} appears twice")
+            names.add(name)
+            try:
+                tensor_type = GGMLQuantizationType(type_id)
+            except ValueError:
+                raise GGUFFormatError(f"unknown tensor type {type_id} (tensor {name})") from None
+            block, block_bytes = GGML_QUANT_SIZES[tensor_type]
+            n_elements = math.prod(dims)
+            n_bytes = n_elements * block_bytes // block
+            start = self.data_offset + offset
+            if start + n_bytes > self.data.nbytes:
+                raise GGUFFormatError(f"truncated: tensor {name} ends past the end of the file")
+            shape = tuple(reversed(dims))  # numpy's order: the fastest dim last
+            dtype = _VALUE_DTYPES.get(tensor_type.name)
+            if dtype is None:  # blocks: [..., bytes a row]
+                if not shape or shape[-1] % block:
+                    raise GGUFFormatError(f"tensor {name}: rows of whole {tensor_type.name} blocks")
+                dtype, shape = np.uint8, (*shape[:-1], shape[-1] // block * block_bytes)
+            data = self.data[start : start + n_bytes].view(dtype).reshape(shape)
+            shape_ggml = np.array(dims, dtype=np.uint64)
+            tensors.append(Tensor(name, tensor_type, shape_ggml, n_elements, n_bytes, start, data))
+        return tensors
+
+
+_readers: dict[str, Any] = {}  # path -> its parse, from the config read until the model is built
+
+
+def _reader(path: str, light: bool = False) -> GGUFFile | _IndexedFile:
+    """The file parsed (memory-mapped) once per load: the config, the tokenizer and the weights
+    all read it. `light`: a parse that stepped over the metadata's long arrays (the
+    vocabulary), or ember's index of the file, is enough; the file is parsed in full when
+    only a light one is at hand. `UnsupportedModelError` naming the problem for a missing,
+    truncated or malformed file or an unknown tensor type."""
     key = os.path.abspath(path)
     reader = _readers.get(key)
     if reader is None or (reader.light and not light):
@@ -41,135 +293,20 @@ def _reader(path: str, light: bool = False) -> Any:
 
 
 def release(path: str) -> None:
-    """Drop the cached reader of `path`, and with it the file's memory map."""
+    """Drop the cached parse of `path`, and with it the file's memory map."""
     _readers.pop(os.path.abspath(path), None)
 
 
-# A light reader skips metadata arrays longer than this (vocabulary, scores, merges).
-_LIGHT_ARRAY_MIN = 64
-
-
-def _open(path: str, light: bool = False) -> Any:
-    try:
-        from gguf import GGUFReader, GGUFValueType
-    except ImportError as e:  # pragma: no cover - a dependency of ember
-        raise UnsupportedModelError("loading a GGUF file needs the `gguf` package") from e
-
-    class Reader(GGUFReader):  # type: ignore[misc, valid-type]
-        """Parses the metadata from a plain ndarray view of the map (numpy's memmap subclass
-        costs per element read), and metadata arrays of `_LIGHT_ARRAY_MIN` or more elements
-        (a 262k-token vocabulary is three of them) a whole array at a time: Gemma 3 270M's
-        full parse took 8.2 s through the memmap, 4.4 s from the plain view, 0.7 s now.
-
-        `light`: those arrays are stepped over, their fields left without data (0.08 s for
-        Gemma 3's): for loads whose config and tokenizer come from ember's cache, which read
-        only the architecture and tensors."""
-
-        light = False
-
-        @property
-        def data(self) -> np.ndarray:
-            return self._array
-
-        @data.setter
-        def data(self, value: np.ndarray) -> None:
-            self._array = np.asarray(value)  # a view: its base keeps the map open
-            self._map = getattr(value, "_mmap", None)
-
-        def drop_pages(self, array: np.ndarray) -> None:
-            _drop_pages(self._map, self._array, array)
-
-        def _get_field_parts(self, offs: int, raw_type: int) -> tuple[int, list, list, list]:
-            if raw_type == GGUFValueType.ARRAY and self.byte_order == "I":
-                head = [self._get(offs, np.uint32), self._get(offs + 4, np.uint64)]
-                itype, count = GGUFValueType(int(head[0][0])), int(head[1][0])
-                if count >= _LIGHT_ARRAY_MIN and itype != GGUFValueType.ARRAY:
-                    return self._array_parts(offs, head, itype, count)
-            return super()._get_field_parts(offs, raw_type)
-
-        def _array_parts(
-            self, offs: int, head: list, itype: Any, count: int
-        ) -> tuple[int, list, list, list]:
-            """A long array of scalars or strings in the parts gguf's own parser gives (`head`:
-            its item type and count, then one part per scalar, or a length part and a bytes
-            part per string), made by whole-array numpy operations instead of two reads per
-            element; a light reader leaves them out."""
-            buf, start = self._array, offs + 12
-            types = [GGUFValueType.ARRAY, itype]
-            if itype == GGUFValueType.STRING:
-                spans, end = [], start  # (start, length) of each string
-                for _ in range(count):
-                    (length,) = struct.unpack_from("<Q", buf, end)
-                    spans.append((end, length))
-                    end += 8 + length
-                if self.light:
-                    return end - offs, [], [], types
-                parts: list = [*head]
-                for at, length in spans:
-                    parts.append(buf[at : at + 8].view(np.uint64))
-                    parts.append(buf[at + 8 : at + 8 + length])
-                return end - offs, parts, list(range(3, 2 + 2 * count, 2)), types
-            dtype = np.dtype(self.gguf_scalar_to_np[itype])
-            end = start + count * dtype.itemsize
-            if self.light:
-                return end - offs, [], [], types
-            values = buf[start:end].view(dtype).reshape(count, 1)
-            return end - offs, [*head, *values], list(range(2, 2 + count)), types
-
-    class LightReader(Reader):
-        light = True
-
+def _open(path: str, light: bool = False) -> GGUFFile:
     if not os.path.isfile(path):
         raise ValueError(f"model: GGUF file {path!r} does not exist")
     try:
-        return LightReader(path) if light else Reader(path)
-    except (
-        ValueError,
-        OSError,
-        IndexError,
-        KeyError,
-        TypeError,
-        AssertionError,
-        struct.error,
-    ) as e:
-        if "GGMLQuantizationType" in str(e):
-            problem = f"unknown tensor type ({e})"
-        else:
-            problem = f"truncated or not a GGUF file ({e})"
+        return GGUFFile(path, light)
+    except GGUFFormatError as e:
+        raise UnsupportedModelError(f"cannot read GGUF file {path!r}: {e}") from e
+    except (OSError, ValueError, struct.error, OverflowError) as e:
+        problem = f"truncated or not a GGUF file ({e})"
         raise UnsupportedModelError(f"cannot read GGUF file {path!r}: {problem}") from e
-
-
-def _drop_pages(file_map: mmap.mmap | None, whole: np.ndarray, array: np.ndarray) -> None:
-    """Unmap the file pages under `array` (a view of `whole`, all of `file_map`) from this
-    process: a tensor's bytes, once converted, stop counting in its RSS (the kernel's page
-    cache keeps them; reading them again faults them back in)."""
-    if file_map is None or array.base is None:
-        return
-    start = array.ctypes.data - whole.ctypes.data
-    if not 0 <= start < whole.nbytes:
-        return
-    page = mmap.PAGESIZE
-    first = start // page * page
-    end = min(start + array.nbytes, whole.nbytes)
-    with contextlib.suppress(OSError, ValueError):
-        file_map.madvise(mmap.MADV_DONTNEED, first, end - first)
-
-
-class TensorType(int):
-    """A GGML tensor type as `gguf.GGMLQuantizationType` (an IntEnum) is, equal to and hashed
-    as its number, with its `name`, and `block`: (values, bytes) of one block, as in
-    `gguf.GGML_QUANT_SIZES`; for tensors read from ember's index without importing gguf."""
-
-    name: str
-    block: tuple[int, int]
-
-    def __new__(cls, value: int, name: str, block: tuple[int, int]) -> TensorType:
-        obj = super().__new__(cls, value)
-        obj.name, obj.block = name, block
-        return obj
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return TensorType, (int(self), self.name, self.block)
 
 
 def _block_size(qtype: Any) -> tuple[int, int]:
@@ -181,102 +318,10 @@ def _block_size(qtype: Any) -> tuple[int, int]:
     return GGML_QUANT_SIZES[qtype]
 
 
-class _IndexedTensor(NamedTuple):
-    name: str
-    tensor_type: TensorType
-    shape: np.ndarray  # ggml's order, the fastest dim first, as gguf's `ReaderTensor`
-    n_bytes: int
-    data: np.ndarray  # a view of the map, typed and shaped as `ReaderTensor.data`
-
-
-# What a file's index records, and its layout's version (a changed layout is not read).
-_INDEX_VERSION = 1
-
-
-class _IndexedFile:
-    """A GGUF file read through ember's index of it (`_save_index`): the architecture and
-    every tensor's type, shape and place in the file, so that a load whose config and
-    tokenizer are cached as well imports neither the `gguf` package nor parses the header
-    (about 0.1 s of llama-160m's 0.4 s load, 0.25 s of Gemma 3 270M's). The reader
-    interface `load_gguf_model` uses: `tensors`, `drop_pages`, `light`."""
-
-    light = True
-
-    def __init__(self, path: str, index: dict[str, Any]) -> None:
-        with open(path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self._array = np.frombuffer(self._map, dtype=np.uint8)
-        if self._array[:4].tobytes() != b"GGUF" or self._array.nbytes != index["size"]:
-            raise ValueError("the file is not the one indexed")
-        self.architecture: str = index["architecture"]
-        self.names: dict[str, dict[str, str]] = index["names"]
-        self.index = index
-        self.tensors = []
-        for name, qtype, shape, n_bytes, offset, dtype, data_shape in index["tensors"]:
-            if offset + n_bytes > self._array.nbytes:
-                raise ValueError(f"tensor {name} ends past the file")
-            raw = self._array[offset : offset + n_bytes]
-            data = raw.view(np.dtype(dtype)).reshape(data_shape)
-            self.tensors.append(_IndexedTensor(name, qtype, shape, n_bytes, data))
-
-    def drop_pages(self, array: np.ndarray) -> None:
-        _drop_pages(self._map, self._array, array)
-
-
-def _open_indexed(path: str) -> _IndexedFile | None:
-    """`path` read through its cached index, or None: not indexed yet, or an index that does
-    not fit the file (logged; the file is parsed again and the index rewritten)."""
-    index = _load_pickle(_cache_entry(path, "index"), "index")
-    if not isinstance(index, dict) or index.get("version") != _INDEX_VERSION:
-        return None
-    try:
-        return _IndexedFile(path, index)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        logger.warning("reading GGUF file %s again: its cached index does not fit (%s)", path, e)
-        return None
-
-
-def _save_index(path: str, reader: Any, model_class: str, names: dict[str, str]) -> None:
-    """Record what a light read of `path` gives (`_IndexedFile`), and `names` (the file's
-    tensor names -> `model_class`'s parameter names) beside those of other model classes."""
-    if isinstance(reader, _IndexedFile):
-        if reader.names.get(model_class) == names:
-            return
-        index = dict(reader.index, names={**reader.names, model_class: names})
-    else:
-        from gguf import GGML_QUANT_SIZES
-
-        base = reader.data.ctypes.data
-        tensors = [
-            (
-                t.name,
-                TensorType(int(t.tensor_type), t.tensor_type.name, GGML_QUANT_SIZES[t.tensor_type]),
-                np.array(t.shape),
-                int(t.n_bytes),
-                int(t.data.ctypes.data - base),
-                t.data.dtype.str,
-                tuple(t.data.shape),
-            )
-            for t in reader.tensors
-        ]
-        index = {
-            "version": _INDEX_VERSION,
-            "size": int(reader.data.nbytes),
-            "architecture": _architecture(reader, path),
-            "tensors": tensors,
-            "names": {model_class: names},
-        }
-    _save_pickle(index, _cache_entry(path, "index"))
-
-
-def _architecture(reader: Any, path: str) -> str:
-    if isinstance(reader, _IndexedFile):
-        arch = reader.architecture
-    else:
-        field = reader.fields.get("general.architecture")
-        if field is None:
-            raise UnsupportedModelError(f"GGUF file {path!r} has no general.architecture")
-        arch = bytes(field.parts[field.data[0]]).decode()
+def _architecture(reader: GGUFFile | _IndexedFile, path: str) -> str:
+    arch = reader.architecture
+    if arch is None:
+        raise UnsupportedModelError(f"GGUF file {path!r} has no general.architecture")
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF file {path!r}: architecture {arch!r} is not supported by ember "
@@ -286,7 +331,7 @@ def _architecture(reader: Any, path: str) -> str:
 
 
 def _matrix_types(path: str) -> Counter[str]:
-    """How many 2-D tensors of each type the file holds, from its (light) reader."""
+    """How many 2-D tensors of each type the file holds, from its (light) parse."""
     tensors = _reader(path, light=True).tensors
     return Counter(t.tensor_type.name for t in tensors if len(t.shape) > 1)
 
@@ -301,7 +346,7 @@ def weight_types(path: str) -> Counter[str]:
 
 def has_quantized_weights(path: str) -> bool:
     """Whether any 2-D tensor of the file is of a quantized type (not one of `DENSE_TYPES`).
-    Reads the reader the load's config step left open (no second parse; the load releases
+    Reads the parse the load's config step left open (no second parse; the load releases
     it)."""
     return any(t not in DENSE_TYPES for t in _matrix_types(path))
 
