@@ -113,98 +113,17 @@ def load_gguf_model(
         # Names by the file's own architecture (Mistral files say "llama", which gguf-py maps).
         names = weights_map(model, processor, arch)
         _save_index(path, reader, arch, model_class, names)
-    # Each tensor's file pages are dropped from the process once it is converted, and the C
-    # heap's freed temporaries returned now and then: qwen2-0.5b Q4_0 (350 MB) loaded with a
-    # peak of +1,000 MB over the imports, +800 MB with the conversions chunked alone.
-    heap, drop_pages = HeapTrimmer(), reader.drop_pages
-
-    def release(part: np.ndarray) -> None:
-        drop_pages(part)
-        heap.freed(part.nbytes * 4)  # the chunk's temporaries: about 4 bytes a byte of it
-
-    def place_dense(module: nn.Module, attr: str, tensor: Any, hf_name: str) -> None:
-        """`tensor` set as it is (`_dense`), its file pages dropped."""
-        data = _permute_rows(processor, tensor.name, tensor.data)
-        _set_tensor(module, attr, _dense(tensor, tensor.tensor_type.name, data), hf_name)
-        del data
-        drop_pages(tensor.data)
-        heap.freed(tensor.n_bytes)
-
-    kept: dict[str, Any] = {}  # quantized weights, converted once every bias is in place
-    dense: dict[str, Any] = {}  # F32/F16/BF16 linear weights, packed likewise
-    tables: dict[str, Any] = {}  # F32/F16/BF16 tables, packed as a tied head or copied
-    for tensor in reader.tensors:
-        hf_name = names.get(tensor.name)
-        if hf_name is None:
-            logger.info("GGUF tensor %s has no place in %s; skipped", tensor.name, arch)
-            continue
-        qtype = tensor.tensor_type.name
-        module_name, _, attr = hf_name.rpartition(".")
-        module = model.get_submodule(module_name)
-        if attr == "weight" and qtype not in DENSE_TYPES and _groups_fit(module):
-            kept[module_name] = tensor
-            continue
-        if attr == "weight" and qtype in DENSE_TYPES and len(tensor.shape) == 2:
-            if isinstance(module, nn.Linear):
-                dense[module_name] = tensor
-                continue
-            if gathers_rows(module):
-                tables[module_name] = tensor
-                continue
-        place_dense(module, attr, tensor, hf_name)
-
-    def bias_of(module_name: str, tensor: Any) -> torch.Tensor | None:
-        """The bias of `module_name`, once its GGUF weight `tensor` is checked against it."""
-        module = model.get_submodule(module_name)
-        expected = (module.weight.shape[0], module.weight.shape[1])
-        shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml lists the input size first
-        if shape != expected:
-            raise UnsupportedModelError(
-                f"GGUF file {path!r}: {module_name} is {shape[0]}x{shape[1]}, the config says "
-                f"{expected[0]}x{expected[1]}"
-            )
-        bias = getattr(module, "bias", None) if isinstance(module, nn.Linear) else None
-        if bias is not None and bias.is_meta:
-            raise UnsupportedModelError(f"GGUF file {path!r} has no tensor for {module_name}.bias")
-        return bias
-
-    for parent, names, group in _fusable_groups(kept):
-        data = [_permute_rows(processor, t.name, t.data) for t in group]
-        biases = [bias_of(f"{parent}.{n}", t) for n, t in zip(names, group, strict=True)]
-        types = [t.tensor_type for t in group]
-        fused = fused_group_linear(list(zip(data, types, biases, strict=True)), release)
-        for name, t in zip(names, group, strict=True):
-            del kept[f"{parent}.{name}"]
-            reader.drop_pages(t.data)
-        del data
-        place_fused(model.get_submodule(parent), names, [int(t.shape[1]) for t in group], fused)
-    for parent, names, group in _fusable_groups(dense):
-        biases = [bias_of(f"{parent}.{n}", t) for n, t in zip(names, group, strict=True)]
-        packed = _packed_linear(processor, group, biases, reader.drop_pages)
-        for name in names:
-            del dense[f"{parent}.{name}"]
-        place_fused(model.get_submodule(parent), names, [int(t.shape[1]) for t in group], packed)
-    for module_name, tensor in dense.items():
-        bias = bias_of(module_name, tensor)
-        _place(model, module_name, _packed_linear(processor, [tensor], [bias], reader.drop_pages))
-    for module_name, tensor in kept.items():
-        module = model.get_submodule(module_name)
-        bias = bias_of(module_name, tensor)
-        data, qtype = _permute_rows(processor, tensor.name, tensor.data), tensor.tensor_type
-        linear = group_linear_from_file(data, qtype, bias, release)
-        del data
-        reader.drop_pages(tensor.data)
-        if isinstance(module, nn.Embedding):
-            scale = getattr(module, "scalar_embed_scale", None)  # Gemma's scaled table
-            _place(
-                model, module_name, GroupEmbedding(linear, None if scale is None else float(scale))
-            )
-        else:
-            _place(model, module_name, linear)
+    placer = _Placer(path, model, processor, reader)
+    kept, dense, tables = placer.sort(names, arch)
+    placer.fuse_quantized(kept)
+    placer.place_dense_linears(dense)
+    placer.place_quantized(kept)
     for module_name, tensor in tables.items():  # after the head, which may be quantized
         if not _pack_tied_table(model, module_name, processor, tensor, reader.drop_pages):
-            place_dense(model.get_submodule(module_name), "weight", tensor, f"{module_name}.weight")
-    del reader, kept, dense, tables
+            placer.place_dense(
+                model.get_submodule(module_name), "weight", tensor, f"{module_name}.weight"
+            )
+    del reader, placer, kept, dense, tables
     _tie_head(model, config)
     _materialize_buffers(model)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
@@ -214,6 +133,123 @@ def load_gguf_model(
             f"{', '.join(missing[:3])}"
         )
     return model.eval().requires_grad_(False)
+
+
+class _Placer:
+    """Places a GGUF file's tensors in the meta-device `model` as each is converted. Each
+    tensor's file pages are dropped from the process once it is converted, and the C heap's
+    freed temporaries returned now and then: qwen2-0.5b Q4_0 (350 MB) loaded with a peak of
+    +1,000 MB over the imports, +800 MB with the conversions chunked alone."""
+
+    def __init__(self, path: str, model: nn.Module, processor: Any, reader: Any) -> None:
+        self.path, self.model, self.processor, self.reader = path, model, processor, reader
+        self.heap = HeapTrimmer()
+
+    def release(self, part: np.ndarray) -> None:
+        self.reader.drop_pages(part)
+        self.heap.freed(part.nbytes * 4)  # the chunk's temporaries: about 4 bytes a byte of it
+
+    def sort(
+        self, names: dict[str, str], arch: str
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """Place every tensor that goes in as it is (`place_dense`); return the rest by module:
+        (quantized weights, converted once every bias is in place; F32/F16/BF16 linear
+        weights, packed likewise; F32/F16/BF16 tables, packed as a tied head or copied)."""
+        kept: dict[str, Any] = {}
+        dense: dict[str, Any] = {}
+        tables: dict[str, Any] = {}
+        for tensor in self.reader.tensors:
+            hf_name = names.get(tensor.name)
+            if hf_name is None:
+                logger.info("GGUF tensor %s has no place in %s; skipped", tensor.name, arch)
+                continue
+            qtype = tensor.tensor_type.name
+            module_name, _, attr = hf_name.rpartition(".")
+            module = self.model.get_submodule(module_name)
+            if attr == "weight" and qtype not in DENSE_TYPES and _groups_fit(module):
+                kept[module_name] = tensor
+                continue
+            if attr == "weight" and qtype in DENSE_TYPES and len(tensor.shape) == 2:
+                if isinstance(module, nn.Linear):
+                    dense[module_name] = tensor
+                    continue
+                if gathers_rows(module):
+                    tables[module_name] = tensor
+                    continue
+            self.place_dense(module, attr, tensor, hf_name)
+        return kept, dense, tables
+
+    def place_dense(self, module: nn.Module, attr: str, tensor: Any, hf_name: str) -> None:
+        """`tensor` set as it is (`_dense`), its file pages dropped."""
+        data = _permute_rows(self.processor, tensor.name, tensor.data)
+        _set_tensor(module, attr, _dense(tensor, tensor.tensor_type.name, data), hf_name)
+        del data
+        self.reader.drop_pages(tensor.data)
+        self.heap.freed(tensor.n_bytes)
+
+    def bias_of(self, module_name: str, tensor: Any) -> torch.Tensor | None:
+        """The bias of `module_name`, once its GGUF weight `tensor` is checked against it."""
+        module = self.model.get_submodule(module_name)
+        expected = (module.weight.shape[0], module.weight.shape[1])
+        shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml lists the input size first
+        if shape != expected:
+            raise UnsupportedModelError(
+                f"GGUF file {self.path!r}: {module_name} is {shape[0]}x{shape[1]}, the config "
+                f"says {expected[0]}x{expected[1]}"
+            )
+        bias = getattr(module, "bias", None) if isinstance(module, nn.Linear) else None
+        if bias is not None and bias.is_meta:
+            raise UnsupportedModelError(
+                f"GGUF file {self.path!r} has no tensor for {module_name}.bias"
+            )
+        return bias
+
+    def fuse_quantized(self, kept: dict[str, Any]) -> None:
+        """The quantized q/k/v and gate/up weights that can be fused, placed (and taken out of
+        `kept`)."""
+        model, processor = self.model, self.processor
+        for parent, names, group in _fusable_groups(kept):
+            data = [_permute_rows(processor, t.name, t.data) for t in group]
+            biases = [self.bias_of(f"{parent}.{n}", t) for n, t in zip(names, group, strict=True)]
+            types = [t.tensor_type for t in group]
+            fused = fused_group_linear(list(zip(data, types, biases, strict=True)), self.release)
+            for name, t in zip(names, group, strict=True):
+                del kept[f"{parent}.{name}"]
+                self.reader.drop_pages(t.data)
+            del data
+            sizes = [int(t.shape[1]) for t in group]
+            place_fused(model.get_submodule(parent), names, sizes, fused)
+
+    def place_quantized(self, kept: dict[str, Any]) -> None:
+        """The other quantized weights, each alone (a table as a `GroupEmbedding`)."""
+        model, processor = self.model, self.processor
+        for module_name, tensor in kept.items():
+            module = model.get_submodule(module_name)
+            bias = self.bias_of(module_name, tensor)
+            data, qtype = _permute_rows(processor, tensor.name, tensor.data), tensor.tensor_type
+            linear = group_linear_from_file(data, qtype, bias, self.release)
+            del data
+            self.reader.drop_pages(tensor.data)
+            if isinstance(module, nn.Embedding):
+                scale = getattr(module, "scalar_embed_scale", None)  # Gemma's scaled table
+                scale = None if scale is None else float(scale)
+                _place(model, module_name, GroupEmbedding(linear, scale))
+            else:
+                _place(model, module_name, linear)
+
+    def place_dense_linears(self, dense: dict[str, Any]) -> None:
+        """The F32/F16/BF16 linear weights, packed (fused where they can be)."""
+        model, processor, drop_pages = self.model, self.processor, self.reader.drop_pages
+        for parent, names, group in _fusable_groups(dense):
+            biases = [self.bias_of(f"{parent}.{n}", t) for n, t in zip(names, group, strict=True)]
+            packed = _packed_linear(processor, group, biases, drop_pages)
+            for name in names:
+                del dense[f"{parent}.{name}"]
+            sizes = [int(t.shape[1]) for t in group]
+            place_fused(model.get_submodule(parent), names, sizes, packed)
+        for module_name, tensor in dense.items():
+            bias = self.bias_of(module_name, tensor)
+            _place(model, module_name, _packed_linear(processor, [tensor], [bias], drop_pages))
 
 
 def _fusable_groups(kept: dict[str, Any]) -> list[tuple[str, tuple[str, ...], list[Any]]]:
