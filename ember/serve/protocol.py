@@ -11,6 +11,7 @@ their shape.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar, Literal
 
 from pydantic import (
@@ -67,6 +68,13 @@ class _Sampling(BaseModel):
         """The request's structured output, from whichever field gives it (at most one)."""
         given: list[StructuredOutputsParams] = []
         if self.structured_outputs is not None:
+            fields = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+            unknown = sorted(set(self.structured_outputs) - fields)
+            if unknown:
+                raise ValueError(
+                    f"structured_outputs has unknown fields {unknown[:5]!r:.200} (it takes "
+                    f"{', '.join(sorted(fields))})"
+                )
             given.append(StructuredOutputsParams(**self.structured_outputs))
         for kind in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{kind}")
