@@ -26,9 +26,10 @@ MAX_SCHEMA_BYTES = 256 << 10  # tools, response_format, structured outputs: as J
 
 @dataclass(frozen=True)
 class ServeLimits:
-    """What one request may ask for; `max_n` is the engine's `max_num_seqs` unless given."""
+    """What one request may ask for; `max_n` is the engine's `max_num_seqs` unless the server
+    says otherwise (no default here: it is the engine's)."""
 
-    max_n: int = 128
+    max_n: int
     max_request_bytes: int = MAX_REQUEST_BYTES
     max_prompts: int = MAX_PROMPTS
     max_stop_strings: int = MAX_STOP_STRINGS
@@ -45,12 +46,11 @@ class ServeLimits:
     def check(self, body: CompletionRequest | ChatRequest, num_prompts: int = 1) -> None:
         """ValueError naming the first field of `body` over its limit."""
         _at_most("n", body.n, self.max_n, "the server's max_num_seqs")
-        if body.best_of is not None:
-            if body.best_of != body.n:
-                raise ValueError(
-                    f"best_of must equal n={body.n} (ember returns every sequence it samples), "
-                    f"got {body.best_of}"
-                )
+        if body.best_of is not None and body.best_of != body.n:
+            raise ValueError(
+                f"best_of must equal n={body.n} (ember returns every sequence it samples), "
+                f"got {body.best_of}"
+            )
         _at_most("prompt", num_prompts, self.max_prompts, "prompts per request")
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         _at_most("stop", len(stops), self.max_stop_strings, "stop strings")
