@@ -18,6 +18,10 @@ from ember.attention import AttentionBackend
 from ember.attention import ops as _ops  # noqa: F401  (registers ember::cross_attention_ranges)
 from ember.attention.metadata import AttentionMetadata
 
+# Architectures whose sliding window HF applies through the mask alone (the attention call
+# gets no `sliding_window`): ember, which builds no mask, reads it from the config.
+WINDOW_ONLY_IN_MASK = frozenset({"phimoe"})
+
 
 def _attention_forward(
     op: Callable[..., torch.Tensor],
@@ -48,6 +52,9 @@ def _attention_forward(
     seq_lens: torch.Tensor | None = meta.seq_lens
     tables: torch.Tensor | None = meta.block_tables
     causal = bool(getattr(module, "is_causal", True))
+    config = getattr(module, "config", None)
+    if sliding_window is None and getattr(config, "model_type", None) in WINDOW_ONLY_IN_MASK:
+        sliding_window = config.sliding_window
     if "kv_cache" in kwargs:
         kv_cache = kwargs["kv_cache"]
         if opaque_op is None:

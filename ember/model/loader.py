@@ -460,7 +460,8 @@ def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase | None:
         return AutoTokenizer.from_pretrained(
             model_dir, local_files_only=True, trust_remote_code=False
         )
-    except (OSError, ValueError, TypeError) as e:
+    except (OSError, ValueError, TypeError, ImportError) as e:
+        # ImportError: the tokenizer class needs a package not installed (BioGPT: sacremoses)
         logger.warning("no tokenizer in %s (%s); only token-id prompts work", model_dir, e)
         return None
 

@@ -27,6 +27,7 @@ from transformers.models.auto.modeling_auto import (
 
 from ember.attention import AttentionFeatures
 from ember.errors import UnsupportedModelError
+from ember.model.architectures import check_architecture
 
 # "generate" (causal LM), "encdec" (encoder-decoder LM) or "embed" (encoder-only model).
 TASKS = ("generate", "encdec", "embed")
@@ -116,12 +117,13 @@ def read_model_spec(model_dir: str) -> ModelSpec:
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
+    task = model_task(config)  # first: it refuses what the geometry below cannot read
     text = config.get_text_config()
     num_layers, num_kv_heads, head_dim = kv_geometry(text)
     return ModelSpec(
         model_dir=model_dir,
         hf_config=config,
-        task=model_task(config),
+        task=task,
         architecture=(getattr(config, "architectures", None) or [config.model_type])[0],
         checkpoint_dtype=dtype if isinstance(dtype, torch.dtype) else None,
         max_positions=getattr(text, "max_position_embeddings", None) or 1 << 16,
@@ -207,10 +209,11 @@ def load_hf_config(model_dir: str) -> PretrainedConfig:
     try:
         # Never the checkpoint's own code: ember runs transformers' model classes only.
         return AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
-    except (ValueError, KeyError, OSError) as e:
+    except Exception as e:  # noqa: BLE001  (unknown model_type, or a config its class rejects)
         arch = (raw.get("architectures") or [raw.get("model_type")])[0]
         raise UnsupportedModelError(
-            f"architecture {arch!r} of {model_dir!r} is not known to transformers: {e}"
+            f"transformers cannot read the config of architecture {arch!r} in {model_dir!r}: "
+            f"{type(e).__name__}: {e}"
         ) from e
 
 
@@ -231,6 +234,7 @@ def model_task(config: PretrainedConfig) -> str:
                 f"architecture {arch!r} does not route attention through transformers' "
                 "attention interface, so ember cannot capture it"
             )
+        check_architecture(config)
         return "generate"
     if getattr(config, "is_encoder_decoder", False):
         if seq2seq_name is None or (declared and seq2seq_name not in declared):
@@ -253,6 +257,8 @@ def model_task(config: PretrainedConfig) -> str:
             f"architecture {arch!r} (model_type {config.model_type!r}) is neither a causal LM "
             "nor an encoder base model that ember can capture"
         )
+    if task == "generate":
+        check_architecture(config)
     model_cls = _AUTO_CLASSES[task]._model_mapping[type(config)]
     # HF flags models tested with custom attention functions; BART-family models do not carry
     # the flag but dispatch every attention call through the same registry.
