@@ -39,11 +39,26 @@ REFERENCE_TESTS = [
 ]
 
 
+# The default run: the kernels' own tests and the quantized linears' integer references (the
+# scalar code of every kernel is reached; the fast-call tests, 37 s of compiling that does not
+# depend on the kernels' ISA, are left to -m slow). Under -m slow, the attention tests and greedy
+# decoding against HF on GGUF files too (the whole set took 165 s of a 2-core default run).
+SCOPES = {
+    "kernels": [
+        "tests/kernels/test_linears.py",
+        "tests/kernels/test_row_max.py",
+        *(t for t in REFERENCE_TESTS if "greedy" not in t),
+    ],
+    "all": ["tests/kernels", "tests/attention", *REFERENCE_TESTS],
+}
+
+
 @pytest.mark.one_host("it builds the kernels without SIMD itself")
 @pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"), reason="builds for baseline x86-64"
 )
-def test_kernel_tests_pass_on_the_scalar_build(tmp_path):
+@pytest.mark.parametrize("scope", ["kernels", pytest.param("all", marks=pytest.mark.slow)])
+def test_kernel_tests_pass_on_the_scalar_build(tmp_path, scope):
     if os.environ.get(kernels.NO_SIMD_ENV) == "1":
         pytest.skip("this process is the scalar build's run")
     if not kernels.available():
@@ -51,8 +66,7 @@ def test_kernel_tests_pass_on_the_scalar_build(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env.update({kernels.NO_SIMD_ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
     cmd = [
-        sys.executable, "-m", "pytest", "-q", "-n", "0", "-k", "not avx2-host",
-        "tests/kernels", "tests/attention", *REFERENCE_TESTS,
+        sys.executable, "-m", "pytest", "-q", "-n", "0", "-k", "not avx2-host", *SCOPES[scope],
     ]  # fmt: skip
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     tail = run.stdout[-6000:] + run.stderr[-2000:]
