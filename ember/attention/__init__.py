@@ -39,6 +39,7 @@ class AttentionFeatures:
     bidirectional: bool = False
     kv_sharing: bool = False
     cross_attention: bool = False  # encoder-decoder: cross K/V written by ember::write_kv_cache
+    sinks: bool = False  # a learned per-head softmax logit (ember::sink_scale, default layout)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,8 @@ class AttentionBackend:
             return "bidirectional (encoder) attention"
         if features.cross_attention and self.kv_layout != "blocks_slots_heads":
             return "encoder-decoder cross-attention (its K/V writer uses the default layout)"
+        if features.sinks and self.kv_layout != "blocks_slots_heads":
+            return "attention sinks (ember::sink_scale reads the default layout)"
         return None
 
 

@@ -98,6 +98,13 @@ def _attention_forward(
         float(softcap or 0.0),
         causal,
     )
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:  # gpt-oss, Granite-SWA: a learned logit per head in the softmax
+        out = torch.ops.ember.sink_scale(
+            out, query[0].transpose(0, 1), kv_cache, meta.query_start_loc, seq_lens, tables,
+            sinks, float(scaling if scaling is not None else head_dim**-0.5),
+            int(sliding_window or 0), float(softcap or 0.0), causal,
+        )  # fmt: skip
     return out[None], None
 
 

@@ -144,3 +144,62 @@ def cross_attention_ranges_ref(
 cross_attention_ranges = define_op(
     "cross_attention_ranges", cross_attention_ranges_ref, paged_attention_fake
 )
+
+
+def sink_scale_ref(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+    causal: bool,
+) -> torch.Tensor:
+    """`out` (a paged-attention op's output for `query`, same arguments) with attention sinks
+    applied: each head's learned logit `sinks [num_heads]` joins the softmax's denominator
+    as a key with a zero value, so a row's output is scaled by Z / (Z + e^sink) =
+    sigmoid(lse - sink), lse the log-sum-exp of its visible (soft-capped) scores. gpt-oss and
+    Granite-SWA apply sinks so; HF computes the same sum by concatenating the sink logit.
+
+    Taking `out` keeps this after the attention op that wrote the step's K/V, which a graph
+    otherwise has no edge for. Reads the cache in the default layout; math in fp32.
+    """
+    res = out.clone()
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    sink = sinks.float()[:, None]  # [H, 1]
+    for s, length in enumerate(seq_lens.tolist()):
+        a, b = starts[s], starts[s + 1]
+        if b <= a or length <= 0:
+            continue
+        blocks = block_tables[s, : -(-length // block_size)].long()
+        k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:length]
+        k = cache_rows(kv_cache, k, torch.float32).repeat_interleave(group, dim=1)  # [L, H, D]
+        q = query[a:b].float()  # [T, H, D]
+        scores = torch.einsum("thd,lhd->htl", q, k) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos = torch.arange(length - (b - a), length)[:, None]
+        k_pos = torch.arange(length)[None, :]
+        visible = torch.ones(b - a, length, dtype=torch.bool)
+        if causal:
+            visible &= k_pos <= q_pos
+        if sliding_window > 0:
+            visible &= k_pos > q_pos - sliding_window
+        lse = torch.logsumexp(scores.masked_fill(~visible, float("-inf")), dim=-1)  # [H, T]
+        factor = torch.sigmoid(lse - sink).transpose(0, 1)[..., None]  # [T, H, 1]
+        res[a:b] = (out[a:b].float() * factor).to(out.dtype)
+    return res
+
+
+def _sink_scale_fake(out: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(out)
+
+
+sink_scale = define_op("sink_scale", sink_scale_ref, _sink_scale_fake)

@@ -32,7 +32,6 @@ RECURRENT = (
     "linear-attention or state-space layers (Mamba, Mamba2, Gated DeltaNet, short "
     "convolutions, RWKV, xLSTM) whose per-request recurrent state ember does not carry"
 )
-SINKS = "attention sinks (a learned per-head logit added to the softmax's denominator)"
 MLA = "multi-head latent attention, whose compressed K/V latent ember's paged cache does not hold"
 SPARSE = (
     "indexed or compressed sparse attention (a lightning indexer choosing the keys) that "
@@ -68,6 +67,20 @@ MULTI_QUERY_FUSED = (
 )
 RECURSIVE = "recurrent reasoning cycles (HRM) that rerun layers over their own outputs"
 
+# model_types whose attention calls pass a learned per-head sink logit (`s_aux`), applied by
+# `ember::sink_scale` after the paged op.
+ATTENTION_SINKS = frozenset({"gpt_oss", "granite_swa", "granitemoe_swa", "flint", "mimo_v2_flash"})
+
+# model_type -> why its compiled graphs are not run: eager decoding is exact (tests/
+# architectures), the compiled graphs were not. gpt-oss: ember's compiled graphs of a 4-layer
+# model decode other tokens than eager from the first one, sinks or not (a 1-layer model's
+# do not; HF's MoE block alone compiles exactly); the cause is not yet isolated.
+EAGER_ONLY: dict[str, str] = {
+    "gpt_oss": "compiled gpt-oss graphs differ from eager; the cause is not yet isolated",
+    "mimo_v2_flash": "compiled MiMo-V2-Flash graphs differ from eager; the cause is not yet "
+    "isolated",
+}
+
 # model_type -> the missing feature, for those ember refuses with a reason of its own (the
 # rest are refused by `ember.model.spec.model_task` or as not checked).
 REFUSED: dict[str, str] = {
@@ -82,7 +95,8 @@ REFUSED: dict[str, str] = {
         RECURRENT,
     ),
     **dict.fromkeys(
-        ("gpt_oss", "granite_swa", "granitemoe_swa", "flint", "mimo_v2_flash", "hy_v4"), SINKS
+        ("deepseek_v32", "deepseek_v4", "glm_moe_dsa", "hy_v4", "qwen4_exp", "qwen4_exp_text"),
+        SPARSE,
     ),
     **dict.fromkeys(
         (
@@ -90,9 +104,6 @@ REFUSED: dict[str, str] = {
             "minicpm3", "youtu",
         ),
         MLA,
-    ),
-    **dict.fromkeys(
-        ("deepseek_v32", "deepseek_v4", "glm_moe_dsa", "qwen4_exp", "qwen4_exp_text"), SPARSE
     ),
     **dict.fromkeys(
         (
@@ -117,17 +128,17 @@ EXACT: frozenset[str] = frozenset(
     {
         "afmoe", "apertus", "arcee", "aria_text", "beam", "bert-generation", "biogpt", "bitnet",
         "cohere", "cohere2", "cohere2_moe", "ctrl", "cwm", "dots1", "ernie4_5", "ernie4_5_moe",
-        "exaone4", "exaone_moe", "flex_olmo", "fuyu", "gemma", "gemma2", "gemma3",
+        "exaone4", "exaone_moe", "flex_olmo", "flint", "fuyu", "gemma", "gemma2", "gemma3",
         "gemma3_text", "gemma4_text", "gemma4_unified", "gemma4_unified_text", "glm", "glm4",
-        "glm4_moe", "got_ocr2", "gpt-sw3", "gpt2", "gpt_neox", "granite", "granitemoe",
-        "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3",
-        "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1", "laguna", "llama",
-        "llama4", "llama4_text", "mellum", "minimax_m2", "minimax_m3_vl_text", "ministral",
-        "ministral3", "mistral", "mixtral", "mllama", "modernbert-decoder",
-        "moss_transcribe_diarize", "nanochat", "olmo", "olmo2", "olmo3", "olmoe", "opt",
-        "persimmon", "phi", "phi3", "phi4_multimodal", "phimoe", "qwen2", "qwen2_moe", "qwen3",
-        "qwen3_moe", "roberta-prelayernorm", "seed_oss", "smollm3", "solar_open", "starcoder2",
-        "vaultgemma", "xlm-roberta-xl",
+        "glm4_moe", "got_ocr2", "gpt-sw3", "gpt2", "gpt_neox", "gpt_oss", "granite", "granite_swa",
+        "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hunyuan_v1_dense",
+        "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1",
+        "laguna", "llama", "llama4", "llama4_text", "mellum", "mimo_v2_flash", "minimax_m2",
+        "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral", "mllama",
+        "modernbert-decoder", "moss_transcribe_diarize", "nanochat", "olmo", "olmo2", "olmo3",
+        "olmoe", "opt", "persimmon", "phi", "phi3", "phi4_multimodal", "phimoe", "qwen2",
+        "qwen2_moe", "qwen3", "qwen3_moe", "roberta-prelayernorm", "seed_oss", "smollm3",
+        "solar_open", "starcoder2", "vaultgemma", "xlm-roberta-xl",
     }
 )  # fmt: skip
 

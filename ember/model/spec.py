@@ -27,7 +27,7 @@ from transformers.models.auto.modeling_auto import (
 
 from ember.attention import AttentionFeatures
 from ember.errors import UnsupportedModelError
-from ember.model.architectures import check_architecture
+from ember.model.architectures import ATTENTION_SINKS, check_architecture
 
 # "generate" (causal LM), "encdec" (encoder-decoder LM) or "embed" (encoder-only model).
 TASKS = ("generate", "encdec", "embed")
@@ -98,6 +98,7 @@ class ModelSpec:
             bidirectional=self.task in ("embed", "encdec"),
             cross_attention=self.task == "encdec" or self.multimodal is not None,
             kv_sharing=bool(getattr(config, "num_kv_shared_layers", 0)),
+            sinks=self.hf_config.model_type in ATTENTION_SINKS,
         )
 
 

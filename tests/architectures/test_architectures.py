@@ -149,3 +149,16 @@ def test_an_unchecked_model_type_loads_only_when_the_user_opts_in(monkeypatch, c
     # a known refusal stays one under the opt-in
     with pytest.raises(UnsupportedModelError, match="recurrent state"):
         architectures.check_architecture(zoo.tiny_config("qwen3_next"))
+
+
+def test_an_eager_only_architecture_runs_eagerly_under_compile_true(tmp_path, caplog):
+    """gpt-oss decodes exactly eagerly but not from ember's compiled graphs: compile=True
+    runs it eagerly and says so, rather than compiled and wrong."""
+    from ember.runtime.config import EngineArgs
+
+    path = zoo.build("gpt_oss", str(tmp_path / "gpt_oss"))
+    config = EngineArgs(model=path, dtype="float32", kv_cache_gib=0.005).create_engine_config()
+    assert config.compile is False
+    assert "running eagerly" in caplog.text and "GptOssForCausalLM" in caplog.text
+    llama = zoo.build("llama", str(tmp_path / "llama"))
+    assert EngineArgs(model=llama, kv_cache_gib=0.005).create_engine_config().compile is True
