@@ -259,7 +259,7 @@ def model_task(config: PretrainedConfig) -> str:
             "nor an encoder base model that ember can capture"
         )
     if task == "generate":
-        check_architecture(config)
+        check_architecture(config, known_only=True)  # a reason of its own comes first
     model_cls = _AUTO_CLASSES[task]._model_mapping[type(config)]
     # HF flags models tested with custom attention functions; BART-family models do not carry
     # the flag but dispatch every attention call through the same registry.
@@ -269,6 +269,8 @@ def model_task(config: PretrainedConfig) -> str:
             f"architecture {arch!r} does not route attention through transformers' attention "
             "interface, so ember cannot capture it"
         )
+    if task == "generate":
+        check_architecture(config)
     return task
 
 
