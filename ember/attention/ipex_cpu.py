@@ -44,7 +44,7 @@ def paged_attention_ipex(
     _paged.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.long())
     num_tokens, num_heads, _ = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-    out = torch.zeros_like(query)
+    out = torch.zeros(query.shape, dtype=query.dtype)  # contiguous (ops.paged_attention_fake)
     qsl = query_start_loc.int()
     real_tokens = int(qsl[-1])
     q_lens = qsl[1:] - qsl[:-1]

@@ -32,8 +32,12 @@ from ember.kernels.library import define_op
 
 
 def paged_attention_fake(query: torch.Tensor, *args: object) -> torch.Tensor:
-    """Shape function of every backend's paged-attention op."""
-    return torch.empty_like(query)
+    """Shape function of every backend's paged-attention op: a contiguous tensor of query's
+    shape and dtype, as every op returns, whatever query's strides. (`empty_like` kept a
+    transposed query's strides, which the real output does not have: a compiled graph then
+    read the output at the wrong offsets, so Persimmon, gpt-oss and MiMo-V2-Flash, whose
+    queries reach attention as a transposed view, decoded other tokens compiled.)"""
+    return query.new_empty(query.shape)
 
 
 # Bytes after an int8 cache row's codes: its float32 scale.
@@ -110,7 +114,7 @@ def cross_attention_ranges_ref(
     causal order: every image token is context). A token with start == end (text-only
     sequences, padding) gets zeros. Math in fp32; returns query's dtype.
     """
-    out = torch.zeros_like(query)
+    out = torch.zeros(query.shape, dtype=query.dtype)  # contiguous, as the fake says
     _, _, block_size, num_kv_heads, row = kv_cache.shape
     starts = query_start_loc.tolist()
     lens = cross_seq_lens.tolist()

@@ -133,7 +133,7 @@ def paged_attention_triton(
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype)  # contiguous (ops.paged_attention_fake)
     tok_seq, tok_pos, tok_len = _token_map(query_start_loc, seq_lens, num_tokens)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     tables = block_tables.contiguous()

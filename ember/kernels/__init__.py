@@ -115,7 +115,7 @@ _prebuild_isa: str | None = None
 
 
 def _attention_fake(query: torch.Tensor, *args: object) -> torch.Tensor:
-    return torch.empty_like(query)
+    return query.new_empty(query.shape)  # contiguous, as the C++ op's `at::zeros(sizes)`
 
 
 def _register_fakes() -> None:

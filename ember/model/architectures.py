@@ -71,15 +71,10 @@ RECURSIVE = "recurrent reasoning cycles (HRM) that rerun layers over their own o
 # `ember::sink_scale` after the paged op.
 ATTENTION_SINKS = frozenset({"gpt_oss", "granite_swa", "granitemoe_swa", "flint", "mimo_v2_flash"})
 
-# model_type -> why its compiled graphs are not run: eager decoding is exact (tests/
-# architectures), the compiled graphs were not. gpt-oss: ember's compiled graphs of a 4-layer
-# model decode other tokens than eager from the first one, sinks or not (a 1-layer model's
-# do not; HF's MoE block alone compiles exactly); the cause is not yet isolated.
-EAGER_ONLY: dict[str, str] = {
-    "gpt_oss": "compiled gpt-oss graphs differ from eager; the cause is not yet isolated",
-    "mimo_v2_flash": "compiled MiMo-V2-Flash graphs differ from eager; the cause is not yet "
-    "isolated",
-}
+# model_type -> why its compiled graphs are not run (compile=True runs it eagerly, exact,
+# and says why). Empty: gpt-oss, MiMo-V2-Flash and Persimmon were here until the ops' shape
+# functions stopped giving a transposed query's strides to a contiguous output.
+EAGER_ONLY: dict[str, str] = {}
 
 # model_type -> the missing feature, for those ember refuses with a reason of its own (the
 # rest are refused by `ember.model.spec.model_task` or as not checked).

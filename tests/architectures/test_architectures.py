@@ -151,14 +151,45 @@ def test_an_unchecked_model_type_loads_only_when_the_user_opts_in(monkeypatch, c
         architectures.check_architecture(zoo.tiny_config("qwen3_next"))
 
 
-def test_an_eager_only_architecture_runs_eagerly_under_compile_true(tmp_path, caplog):
-    """gpt-oss decodes exactly eagerly but not from ember's compiled graphs: compile=True
-    runs it eagerly and says so, rather than compiled and wrong."""
+def test_an_eager_only_architecture_runs_eagerly_under_compile_true(tmp_path, caplog, monkeypatch):
+    """An architecture exact eagerly but not from ember's compiled graphs (EAGER_ONLY):
+    compile=True runs it eagerly and says so, rather than compiled and wrong."""
     from ember.runtime.config import EngineArgs
 
+    monkeypatch.setitem(architectures.EAGER_ONLY, "gpt_oss", "a compiled-graph defect")
     path = zoo.build("gpt_oss", str(tmp_path / "gpt_oss"))
     config = EngineArgs(model=path, dtype="float32", kv_cache_gib=0.005).create_engine_config()
     assert config.compile is False
     assert "running eagerly" in caplog.text and "GptOssForCausalLM" in caplog.text
     llama = zoo.build("llama", str(tmp_path / "llama"))
     assert EngineArgs(model=llama, kv_cache_gib=0.005).create_engine_config().compile is True
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "mimo_v2_flash",  # sinks on its SWA layers only, K/V heads per layer, MoE
+        pytest.param("gpt_oss", marks=pytest.mark.slow),  # sinks, MoE with biases, clamps
+        pytest.param("persimmon", marks=pytest.mark.slow),  # fused QKV, partial rotary
+    ],
+)
+def test_compiled_graphs_decode_what_hf_does(model_type, tmp_path):
+    """A compiled representative: chunked prefill beside decodes, no recompile after warm-up.
+    (Before the attention ops' shape functions gave a contiguous output, these three decoded
+    other tokens compiled than eager.)"""
+    path = zoo.build(model_type, str(tmp_path / model_type))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, zoo.VOCAB - 6, (n,), generator=g).tolist() for n in (5, 19, 30, 3)]
+    want = _hf_greedy(path, prompts)
+    llm = LLM(
+        model=path, dtype="float32", kv_cache_gib=0.005, block_size=4, max_model_len=64,
+        max_num_batched_tokens=BUDGET,
+    )  # fmt: skip
+    assert llm.llm_engine.config.compile
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm-up
+    with torch.compiler.set_stance("fail_on_recompile"):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    blocks = llm.llm_engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_usable_blocks
