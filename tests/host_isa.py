@@ -183,6 +183,10 @@ class _Child:
         self.log_path = os.path.join(self.dir, "log.txt")
         files = sorted({i.nodeid.split("::")[0] for i in items})
         env = dict(os.environ, EMBER_CPU_ISA="avx2", **{_REPORTS_ENV: self.reports_path})
+        # An inductor cache of its own: the FX graph cache keys a graph without the vector
+        # ISA, so sharing the parent's served AVX2 kernels code built for its wider vectors
+        # (the [avx2-host] linears read garbage; see tests/kernels/test_scalar_build.py).
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(self.dir, "inductor")
         env[_IDS_ENV] = ids
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
         with open(self.log_path, "w") as log:
