@@ -3,6 +3,8 @@ engine running on each available backend."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from ember.attention import (
 from ember.runtime.config import EngineArgs
 from tests.attention.test_paged_attention import _run_case, load_backend
 from tests.conftest import hf_greedy, make_prompts
+from tests.kernels import require_kernels
 
 pytestmark = pytest.mark.host_isa  # on this CPU and as an AVX2-only host: tests/host_isa.py
 
@@ -99,16 +102,67 @@ def test_model_needing_an_unsupported_feature_fails_at_load(checkpoint_dir):
         EngineArgs(d, dtype="float32").create_engine_config()
 
 
-def test_flash_decoding_split_matches_reference(monkeypatch):
-    """Few (decode, K/V head) pairs and a long context: the context is split into partitions
-    merged by log-sum-exp; sliding windows leave some partitions empty."""
+def _pytorch_path(monkeypatch) -> tuple:
+    """The torch backend's PyTorch code (`torch_cpu.paged_attention` with ember's C++ kernels
+    out of its way: what runs where they cannot be built, and for soft-capping), called as
+    such: where the kernels are built, the backend's op is the C++ one, which has its own
+    flash-decoding split (`kSplitMinTokens`) and attends in fp32 whatever `compute_dtype`
+    says, so patching the Python module's knobs would reach nothing."""
+    monkeypatch.setattr(torch_cpu, "kernels", types.SimpleNamespace(available=lambda *a: False))
+    return select_backend("torch"), torch_cpu.paged_attention
+
+
+def _cpp_path() -> tuple:
+    """The torch backend's C++ op (`ember_cpu::paged_attention`), called as such."""
+    require_kernels()
+    backend = select_backend("torch")
+    assert backend.load_op() is torch.ops.ember_cpu.paged_attention
+    return backend, torch.ops.ember_cpu.paged_attention
+
+
+def _spy(monkeypatch, name: str) -> list:
+    """Record what `torch_cpu.<name>` returns on each call."""
+    real, seen = getattr(torch_cpu, name), []
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        seen.append(result)
+        return result
+
+    monkeypatch.setattr(torch_cpu, name, spy)
+    return seen
+
+
+def _split_pytorch(monkeypatch) -> list[int]:
+    """Make the PyTorch code split short contexts (8-token partitions, 8 threads' worth);
+    returns the list its `_decode_partitions` calls fill."""
     monkeypatch.setattr(torch_cpu, "_SPLIT_MIN_TOKENS", 8)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
     assert torch_cpu._decode_partitions(1, 64) == 8
-    backend = load_backend("torch")
+    return _spy(monkeypatch, "_decode_partitions")
+
+
+def test_flash_decoding_split_matches_reference_pytorch(monkeypatch):
+    """The PyTorch code's flash-decoding split: few (decode, K/V head) pairs and a long
+    context: the context is split into partitions merged by log-sum-exp; sliding windows
+    leave some partitions empty."""
+    path = _pytorch_path(monkeypatch)
+    parts = _split_pytorch(monkeypatch)
     for window in (0, 5, 20):
         specs = [(63, 1), (40, 1)]
-        out, refs, _ = _run_case(backend, specs, 4, 1, 16, 4, torch.float32, sliding_window=window)
+        out, refs, _ = _run_case(path, specs, 4, 1, 16, 4, torch.float32, sliding_window=window)
+        torch.testing.assert_close(out, torch.cat(refs), atol=2e-5, rtol=2e-5)
+    assert parts and min(parts) == 4, parts  # 2 decodes x 1 K/V head, 64 positions: 4 parts
+
+
+def test_flash_decoding_split_matches_reference_cpp():
+    """The C++ kernel's own split (`attend_rows`): 2 decode rows make fewer than 4 tasks per
+    thread, so each context is cut into min(4 * threads / 2, longest / 32) >= 2 parts on
+    block boundaries, on any thread count; a window of 70 splits too, one of 40 does not."""
+    path = _cpp_path()
+    for window in (0, 40, 70):
+        specs = [(127, 1), (90, 1)]
+        out, refs, _ = _run_case(path, specs, 4, 1, 16, 4, torch.float32, sliding_window=window)
         torch.testing.assert_close(out, torch.cat(refs), atol=2e-5, rtol=2e-5)
 
 
@@ -137,34 +191,73 @@ def test_engine_on_backend_matches_hf(checkpoint_dir, request, name):
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(d, prompts, 8)
 
 
+# (specs, sliding window): mixed decodes and chunks; decodes over a window that leaves some of
+# the PyTorch split's partitions with no visible key; contexts the C++ kernel splits.
+BF16_CASES = (
+    ([(12, 1), (0, 11), (5, 1), (0, 3)], 0),
+    ([(63, 1), (40, 1)], 20),
+    ([(127, 1), (90, 1)], 0),  # split by the C++ kernel too
+)
+
+
 @pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16-math", "fp32-math"])
 def test_bf16_cache_math_both_ways(monkeypatch, native_bf16):
-    """A bf16 cache is attended in bf16 on CPUs with native bf16 math, else in fp32; both match
-    the fp32 oracle within bf16 tolerance (mixed, windowed and split-decode cases)."""
+    """The PyTorch code attends a bf16 cache under bf16 queries in bf16 on CPUs with native
+    bf16 math, else in fp32 (K/V gathered in that dtype); both match the fp32 oracle within
+    bf16 tolerance (mixed, windowed and split-decode cases)."""
     monkeypatch.setattr(torch_cpu, "cpu_has_native_bf16", lambda: native_bf16)
     want = torch.bfloat16 if native_bf16 else torch.float32
     assert torch_cpu.compute_dtype(torch.bfloat16, torch.bfloat16) == want
     assert torch_cpu.compute_dtype(torch.float32, torch.float32) == torch.float32
-    monkeypatch.setattr(torch_cpu, "_SPLIT_MIN_TOKENS", 8)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
-    backend = load_backend("torch")
-    for specs, window in (([(12, 1), (0, 11), (5, 1), (0, 3)], 0), ([(63, 1), (40, 1)], 20)):
-        out, refs, _ = _run_case(backend, specs, 4, 1, 16, 4, torch.bfloat16, sliding_window=window)
+    path = _pytorch_path(monkeypatch)
+    parts = _split_pytorch(monkeypatch)
+    gathered = _spy(monkeypatch, "_gather")
+    for specs, window in BF16_CASES:
+        out, refs, _ = _run_case(path, specs, 4, 1, 16, 4, torch.bfloat16, sliding_window=window)
+        assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), torch.cat(refs), atol=3e-2, rtol=3e-2)
+    assert max(parts) > 1, parts  # the split ran
+    assert {k.dtype for k, v in gathered} == {want}, "the math ran in the wrong dtype"
 
 
-@pytest.mark.parametrize("name", ["torch", "triton"])
-@pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16-cpu", "no-bf16-cpu"])
-def test_bf16_cache_under_fp32_queries(monkeypatch, name, native_bf16):
+def test_bf16_cache_under_bf16_queries_in_cpp():
+    """The C++ kernel attends a bf16 cache in fp32 on any CPU (q widened, fp32 online softmax)
+    and rounds the output to the queries' bf16 once."""
+    path = _cpp_path()
+    for specs, window in BF16_CASES:
+        out, refs, _ = _run_case(path, specs, 4, 1, 16, 4, torch.bfloat16, sliding_window=window)
+        assert out.dtype == torch.bfloat16
+        # fp32 math, then one rounding to bf16: within 2^-8 relative (measured: 0.99 of it;
+        # the PyTorch code's bf16 math is off by up to 32 times that on these cases)
+        torch.testing.assert_close(out.float(), torch.cat(refs), atol=1e-5, rtol=2**-8)
+
+
+@pytest.mark.parametrize(
+    "name, path, native_bf16",
+    [
+        ("torch", "pytorch", True),
+        ("torch", "pytorch", False),
+        ("torch", "cpp", None),
+        ("triton", None, None),
+    ],
+    ids=["torch-pytorch-bf16-cpu", "torch-pytorch-no-bf16-cpu", "torch-cpp", "triton"],
+)
+def test_bf16_cache_under_fp32_queries(monkeypatch, name, path, native_bf16):
     """kv_cache_dtype="bfloat16" under float32 math: the cache holds bf16 K/V and attention
     widens them, on any CPU: float32 out, equal to the float32 oracle over the cache's values
-    at float32 tolerance. Decodes and chunks in C++, split decodes and soft-capping in the
-    PyTorch code, a sliding window."""
-    monkeypatch.setattr(torch_cpu, "cpu_has_native_bf16", lambda: native_bf16)
-    assert torch_cpu.compute_dtype(torch.bfloat16, torch.float32) == torch.float32
-    monkeypatch.setattr(torch_cpu, "_SPLIT_MIN_TOKENS", 8)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
-    backend = load_backend(name)
+    at float32 tolerance. Each of the torch backend's paths chosen explicitly (the PyTorch code,
+    with its split decodes, on a CPU with and without native bf16; the C++ kernel, whose
+    soft-capped case goes to the PyTorch code), and Triton; a sliding window."""
+    if path == "pytorch":
+        monkeypatch.setattr(torch_cpu, "cpu_has_native_bf16", lambda: native_bf16)
+        assert torch_cpu.compute_dtype(torch.bfloat16, torch.float32) == torch.float32
+        op = _pytorch_path(monkeypatch)
+        parts = _split_pytorch(monkeypatch)
+        gathered = _spy(monkeypatch, "_gather")
+    elif path == "cpp":
+        op = _cpp_path()
+    else:
+        op = load_backend(name)
     cases = (
         ([(12, 1), (0, 11), (5, 1), (0, 3)], 0, 0.0),
         ([(63, 1), (40, 1)], 20, 0.0),
@@ -172,8 +265,11 @@ def test_bf16_cache_under_fp32_queries(monkeypatch, name, native_bf16):
     )
     for specs, window, softcap in cases:
         out, refs, _ = _run_case(
-            backend, specs, 4, 1, 16, 4, torch.bfloat16, sliding_window=window, softcap=softcap,
+            op, specs, 4, 1, 16, 4, torch.bfloat16, sliding_window=window, softcap=softcap,
             query_dtype=torch.float32,
         )  # fmt: skip
         assert out.dtype == torch.float32
         torch.testing.assert_close(out, torch.cat(refs), atol=1e-4, rtol=1e-4)
+    if path == "pytorch":
+        assert max(parts) > 1, parts  # the split ran
+        assert {k.dtype for k, v in gathered} == {torch.float32}

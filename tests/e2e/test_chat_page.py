@@ -13,20 +13,17 @@ import time
 import urllib.error
 import urllib.request
 
+import fastapi  # noqa: F401  (`ember serve`; it, uvicorn and selenium are dev dependencies)
 import pytest
+import uvicorn  # noqa: F401
+from selenium import webdriver
+from selenium.webdriver.common.action_chains import ActionChains
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from ember import LLM, SamplingParams
 from tests.e2e.servers import CHAT_TEMPLATE, metrics, start_serve, stop_serve, with_chat_template
-
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-webdriver = pytest.importorskip(
-    "selenium.webdriver", reason="the chat page test needs selenium (pip install selenium)"
-)
-from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.common.keys import Keys  # noqa: E402
-from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 MAX_LEN = 2048  # room for a long answer for Stop to cut short
 ENGINE = {"compile": False, "dtype": "float32", "kv_cache_gib": 0.05, "max_model_len": MAX_LEN}

@@ -11,6 +11,8 @@ import os
 import shutil
 import time
 
+import fastapi  # noqa: F401  (`ember serve`)
+import openai
 import pytest
 from transformers import AutoTokenizer
 
@@ -19,9 +21,6 @@ from ember.runtime.llm import load_chat_template
 from ember.tools import checkpoints
 from ember.tools.gguf_writer import write_gguf
 from tests.e2e.servers import start_serve, stop_serve, with_chat_template
-
-pytest.importorskip("fastapi")
-openai = pytest.importorskip("openai")
 
 TEMPLATE = (
     "{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}"

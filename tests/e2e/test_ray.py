@@ -9,13 +9,11 @@ import json
 import socket
 import urllib.request
 
-import pytest
+import fastapi  # noqa: F401  (Ray Serve's HTTP proxy)
+import ray
+import ray.serve  # noqa: F401
 
 from ember import LLM, SamplingParams
-
-ray = pytest.importorskip("ray")
-pytest.importorskip("ray.serve")
-pytest.importorskip("fastapi")
 
 ENGINE = {"compile": False, "dtype": "float32", "kv_cache_gib": 0.02, "max_model_len": 256}
 PROMPTS = ["Hello world", "The quick brown fox", "Once upon a time", "A river of stone"]

@@ -13,6 +13,8 @@ import time
 import urllib.error
 import urllib.request
 
+import fastapi  # noqa: F401  (a dev dependency: missing, this file fails rather than skips)
+import openai
 import pytest
 from transformers import AutoTokenizer
 
@@ -20,9 +22,6 @@ from ember import LLM, LoRARequest, SamplingParams
 from ember.runtime.engine import LLMEngine
 from tests.conftest import make_prompts
 from tests.e2e.servers import CHAT_TEMPLATE, metrics, start_serve, stop_serve, with_chat_template
-
-pytest.importorskip("fastapi")
-openai = pytest.importorskip("openai")
 
 ENGINE = {"compile": False, "dtype": "float32", "kv_cache_gib": 0.02, "max_model_len": 256,
           "enable_lora": True, "max_lora_rank": 8}  # fmt: skip
@@ -290,15 +289,48 @@ def test_embeddings_equal_offline_embed(client, offline):
         client.embeddings.create(model="tiny", input=[[]])
 
 
-def test_serving_benchmark_runs_against_the_server(server):
-    from ember.tools.serve_bench import run_serve_bench
+def test_serving_benchmark_runs_against_the_server(server, model_dir):
+    """The benchmark reports what the server served: its requests, prompt and output tokens
+    by the server's own metrics; client-side TTFTs no shorter in all than the server's
+    arrival-to-first-token times (the server's clock starts later and stops sooner), each
+    request's end after its first token, the run's duration within the call; the summary
+    prints those figures."""
+    import random
+    import statistics
 
+    from ember.tools.serve_bench import make_prompt, run_serve_bench
+
+    before = metrics(server, KEY)
+    start = time.perf_counter()
     r = run_serve_bench(server, "tiny", request_rate=20.0, num_prompts=6, input_words=20,
                         output_len=8, api_key=KEY)  # fmt: skip
-    assert r.errors == 0 and r.output_tokens == 6 * 8
+    wall = time.perf_counter() - start
+    after = metrics(server, KEY)
+
+    def served(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert r.errors == 0 and r.num_requests == 6 and r.output_tokens == 6 * 8
+    assert served("ember_generation_tokens_total") == r.output_tokens
+    assert served('ember_requests_finished_total{finish_reason="length"}') == 6
+    assert served("ember_time_to_first_token_seconds_count") == 6
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(0)  # the benchmark's seed: its prompts, as the server tokenizes them
+    prompts = [make_prompt(rng, 20) for _ in range(6)]
+    assert served("ember_prompt_tokens_total") == sum(len(tok(p)["input_ids"]) for p in prompts)
     assert len(r.ttft_ms) == len(r.tpot_ms) == len(r.e2e_ms) == 6
-    assert all(e >= t for e, t in zip(r.e2e_ms, r.ttft_ms, strict=True))
-    assert "TTFT ms p50" in r.summary()
+    assert sum(r.ttft_ms) / 1e3 >= served("ember_time_to_first_token_seconds_sum") > 0
+    assert all(e > t > 0 for e, t in zip(r.e2e_ms, r.ttft_ms, strict=True))
+    assert all(0 < t < e for t, e in zip(r.tpot_ms, r.e2e_ms, strict=True))
+    assert max(r.e2e_ms) / 1e3 <= r.duration_s <= wall
+    head, ttft, tpot, e2e = r.summary().splitlines()
+    assert head == (f"6 requests in {r.duration_s:.1f} s, 0 errors; "
+                    f"output {48 / r.duration_s:.1f} tok/s")  # fmt: skip
+    for line, name, xs in ((ttft, "TTFT ms", r.ttft_ms), (tpot, "TPOT ms", r.tpot_ms),
+                           (e2e, "E2E  ms", r.e2e_ms)):  # fmt: skip
+        assert line.strip().startswith(name + " p50 ")
+        p50 = float(line.split("p50 ")[1].split()[0])
+        assert p50 == pytest.approx(statistics.median(xs), abs=0.051)
 
 
 def _post(server: str, path: str, body: dict) -> tuple[int, dict]:

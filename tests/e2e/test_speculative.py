@@ -146,7 +146,6 @@ def test_greedy_with_lora_adapters(checkpoint_dir, tmp_path, method):
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_greedy_with_structured_outputs(engines, method):
-    pytest.importorskip("xgrammar")
     d, base, spec = engines
     if method == "draft_model":
         spec = _llm(d, _draft(d))
@@ -276,17 +275,53 @@ def test_served_with_speculative_config_and_metrics(engines):
 
 
 def test_w_spec_benchmark_runs_and_reports(engines):
-    from ember.tools.bench_spec import format_spec, run_spec
+    """The W-SPEC rows report what the engines did: the draft tokens the speculative engine's
+    scheduler counted, each request's whole answer, TPOTs in milliseconds within the run's
+    wall time; the table prints those rows, its speed-up and acceptance computed from them."""
+    import re
+    import time
+
+    from ember.tools.bench_spec import TASKS, format_spec, run_spec, task_prompt
 
     d = engines[0]
     base, spec = _llm(d, None, max_model_len=1024), _llm(d, max_model_len=1024)
+    before = _stats(spec)
+    start = time.perf_counter()
     rows = run_spec(base, spec, tasks=("quote", "free"), batches=(1, 2), repeats=1, max_tokens=12)
+    wall_ms = (time.perf_counter() - start) * 1e3
     assert [(r.task, r.batch) for r in rows] == [("quote", 1), ("quote", 2), ("free", 1),
                                                  ("free", 2)]  # fmt: skip
+    proposed, accepted = (a - b for a, b in zip(_stats(spec), before, strict=True))
+    assert (sum(r.proposed for r in rows), sum(r.accepted for r in rows)) == (proposed, accepted)
+    assert proposed > 0
     for r in rows:
-        assert r.tpot_base_ms > 0 and r.tpot_spec_ms > 0 and 0 <= r.accepted <= r.proposed
-    table = format_spec(rows, "tiny")
-    assert "quote" in table and "speed-up" in table
+        assert 0 <= r.accepted <= r.proposed
+        # Each request's whole answer (12 tokens unless EOS comes first, as plain decoding
+        # gives it for the greedy task), its TPOT in ms: (tokens - 1) of them fit in the run.
+        params = SamplingParams(max_tokens=12, **TASKS[r.task][1])
+        if params.temperature == 0:
+            prompt = {"prompt_token_ids": task_prompt(base, TASKS[r.task][0])}
+            plain = base.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+            assert r.out_tokens == len(plain)
+        assert 1 < r.out_tokens <= 12
+        for tpot in (r.tpot_base_ms, r.tpot_spec_ms):
+            assert 0 < tpot and tpot * (r.out_tokens - 1) < wall_ms
+    table = format_spec(rows, "tiny").splitlines()
+    assert table[0] == "W-SPEC: tiny" and table[1].split() == [
+        "task", "batch", "TPOT", "plain", "ms", "TPOT", "spec", "ms", "speed-up", "acceptance",
+        "tokens/req",
+    ]  # fmt: skip
+    assert len(table) == 2 + len(rows)
+    for line, r in zip(table[2:], rows, strict=True):
+        task, batch, base_ms, spec_ms, speedup, acceptance, tokens = line.split()
+        assert (task, int(batch)) == (r.task, r.batch)
+        assert float(base_ms) == pytest.approx(r.tpot_base_ms, abs=0.006)
+        assert float(spec_ms) == pytest.approx(r.tpot_spec_ms, abs=0.006)
+        assert re.fullmatch(r"\d+\.\d\dx", speedup)
+        assert float(speedup[:-1]) == pytest.approx(r.tpot_base_ms / r.tpot_spec_ms, abs=0.006)
+        share = r.accepted / r.proposed if r.proposed else 0.0
+        assert acceptance == f"{share:.0%}"
+        assert float(tokens) == pytest.approx(r.out_tokens, abs=0.5)
 
 
 # ---- draft_model ------------------------------------------------------------------------------

@@ -16,17 +16,16 @@ import sys
 import threading
 import time
 
+import fastapi
+import jsonschema
+import openai
 import pytest
+import xgrammar  # noqa: F401  (structured outputs' backend, a dev dependency)
 from transformers import AutoTokenizer
 
 from ember.runtime.config import EngineArgs
 from ember.runtime.engine import LLMEngine
 from tests.e2e.servers import free_port, start_serve, stop_serve, with_chat_template
-
-fastapi = pytest.importorskip("fastapi")
-openai = pytest.importorskip("openai")
-jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("xgrammar")
 
 # A Qwen2.5-style template: tools in the system turn, assistant tool calls as hermes blocks,
 # tool results as user turns in <tool_response>, and an enable_thinking switch.

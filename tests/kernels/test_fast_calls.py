@@ -3,19 +3,53 @@ op machinery; compiled graphs call them; arguments they do not read go to the op
 
 from __future__ import annotations
 
+import os
+import sysconfig
+
 import pytest
 import torch
 
 from ember import kernels
+from tests.kernels import needs_compiler
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler")
+# Skipped where there is no C++ compiler at all, never on a failed build (`_built`).
+pytestmark = needs_compiler
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    kernels.load()  # a failed build fails every test of the module, with the compiler's output
+
+
+def _python_headers() -> str | None:
+    """Python.h's directory where it exists: the kernels are then built with the fast calls
+    (`kernels._build_with`), else None."""
+    include = sysconfig.get_paths()["include"]
+    return include if os.path.exists(os.path.join(include, "Python.h")) else None
 
 
 def _fast(name: str):
     call = kernels._fast_calls[name]
     if call is getattr(torch.ops.ember_cpu, name).default:
+        if _python_headers() is not None:  # `test_fast_calls_are_built_where_they_can_be`
+            pytest.fail(f"the fast call of {name} is missing though Python's headers exist")
         pytest.skip("this build has no fast calls (no Python headers)")
     return call
+
+
+def test_fast_calls_are_built_where_they_can_be():
+    """The canary of the skips above: where Python's headers exist the build has the fast
+    calls, and every op in `FAST_OPS` is called through its own (a build or load that lost
+    them only logs a warning and falls back to the op calls)."""
+    build = kernels._build(kernels.loaded_isa())
+    if _python_headers() is None:
+        assert not build.fast_calls
+        pytest.skip(f"no Python.h in {sysconfig.get_paths()['include']}: no fast calls")
+    assert build.fast_calls and "-DEMBER_FAST_CALLS" in build.command
+    ops = {name: getattr(torch.ops.ember_cpu, name).default for name in kernels.FAST_OPS}
+    assert set(kernels._fast_calls) == set(ops)
+    lost = [name for name, call in kernels._fast_calls.items() if call is ops[name]]
+    assert not lost, f"ops called without their fast calls: {lost}"
 
 
 def _group_args(rows: int = 3, n: int = 45, k: int = 64, bias: bool = True):

@@ -10,11 +10,22 @@ import torch
 
 from ember import kernels
 from tests.conftest import group_quantized_x
+from tests.kernels import needs_compiler
 
 pytestmark = [
-    pytest.mark.skipif(not kernels.available(), reason="no C++ compiler"),
+    needs_compiler,  # skipped where there is no C++ compiler at all, never on a failed build
     pytest.mark.host_isa,  # the x86-64-v3 build too: tests/host_isa.py
 ]
+
+# Built and loaded at import (module-level marks read the build: `needs_pairs`); a failed
+# build is logged here, and raised by `_built`.
+kernels.available()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    kernels.load()  # a failed build fails every test of the module, with the compiler's output
+
 
 # The register-blocked GEMV (<= 64 rows; fp32 weights <= 16), then whole-weight widening into
 # one GEMM (fp32 weights: ATen's GEMM); odd row counts hit every block remainder (4 rows each).
@@ -209,6 +220,16 @@ def test_packed_linear_contract():
 needs_pairs = pytest.mark.skipif(
     not kernels.bf16_pairs(), reason="this build has no AVX512-BF16 (bf16 pairs)"
 )
+
+
+def test_bf16_pairs_are_built_where_the_target_has_avx512_bf16():
+    """The canary of `needs_pairs`: a build whose target has AVX512-BF16 (and AVX-512F) has
+    the bf16 pairs; one that lost them would otherwise only skip the tests below."""
+    from ember.host.isa import native_enables
+
+    native = kernels.loaded_isa() == "native" and not kernels._no_simd()
+    want = native and native_enables("avx512bf16") and native_enables("avx512f")
+    assert kernels.bf16_pairs() == want
 
 
 def _pairs_case(rows: int, n: int, k: int, bias: bool = True):

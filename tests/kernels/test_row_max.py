@@ -7,11 +7,17 @@ import pytest
 import torch
 
 from ember import kernels
+from tests.kernels import needs_compiler
 
 pytestmark = [
-    pytest.mark.skipif(not kernels.available(), reason="no C++ compiler"),
+    needs_compiler,  # skipped where there is no C++ compiler at all, never on a failed build
     pytest.mark.host_isa,  # the x86-64-v3 build too: tests/host_isa.py
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    kernels.load()  # a failed build fails every test of the module, with the compiler's output
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 16, 17, 33, 1000, 32000, 151936])

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from ember import LLM
+from ember import LLM, SamplingParams
 from ember.runtime.config import EngineArgs
 from ember.runtime.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from tests.conftest import build_tiny_bert
@@ -135,4 +136,28 @@ def test_cli_generate_prints_text_and_throughput(checkpoint_dir):
         timeout=300,
         check=True,
     ).stdout
-    assert "--- prompt: 'Hello'" in out and "tok/s" in out
+    # The text and tokens the same engine settings give in-process (greedy: the CLI's default
+    # temperature 0, EOS kept), then the throughput line's own arithmetic.
+    with LLM(model=d, compile=False, kv_cache_gib=0.01, max_model_len=64) as llm:
+        want = llm.generate(
+            ["Hello"], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False
+        )
+        dtype = llm.config.dtype
+    c = want[0].outputs[0]
+    lines = out.splitlines()
+    first = lines.index("--- prompt: 'Hello'")
+    assert lines[first + 1 : first + 3] == [
+        repr(c.text),
+        f"    tokens={c.token_ids} finish={c.finish_reason}",
+    ]
+    m = re.fullmatch(
+        r"generated (\d+) tokens for 1 prompts in ([\d.]+) s: ([\d.]+) tok/s "
+        r"\(load ([\d.]+) s, dtype (\S+)\)",
+        lines[first + 3],
+    )
+    assert m is not None, lines[first + 3]
+    tokens, gen_s, rate, load_s = int(m[1]), float(m[2]), float(m[3]), float(m[4])
+    assert tokens == len(c.token_ids) > 0 and m[5] == str(dtype)
+    assert gen_s > 0 and load_s > 0
+    # tok/s is tokens over the generation time (both printed rounded: 3 and 1 decimals)
+    assert tokens / (gen_s + 5e-4) - 0.05 <= rate <= tokens / max(gen_s - 5e-4, 1e-9) + 0.05

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from ember.runtime.batch import ScheduledRequest
 from ember.runtime.request import SamplingParams
 from ember.runtime.sampler import apply_min_p, apply_penalties, apply_top_k_top_p, sample
+from tests.runtime.test_speculative import chisquare_pvalue
 
 
 def _sched(
@@ -134,19 +136,23 @@ def test_sampler_seeded_reproducible_across_batch_compositions():
     assert len(set(alone)) > 1, "sampling should not be degenerate"
 
 
-def test_sampler_distribution_follows_temperature():
-    logits = torch.tensor([[2.0, 1.0, 0.0]])
-    gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=1.0)
-    counts = [0, 0, 0]
-    for _ in range(3000):
-        t = sample(logits, [ScheduledRequest("a", 0, (1,), (1,), True, params, gen, (1,), ())])[0][
-            0
-        ]
-        counts[t] += 1
-    expected = torch.softmax(logits[0], 0).tolist()
-    for c, e in zip(counts, expected):
-        assert abs(c / 3000 - e) < 0.03
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_sampler_distribution_follows_temperature(temperature):
+    """Draws at temperature T follow softmax(logits / T): Pearson's chi-square against it over
+    6,000 seeded draws (p > 1e-3); at T != 1 the same draws reject softmax(logits), so a
+    sampler that ignored T (or multiplied by it) would fail here."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    trials = 6000
+    gen = torch.Generator().manual_seed(int(temperature * 10))
+    params = SamplingParams(temperature=temperature)
+    reqs = [ScheduledRequest("a", 0, (1,), (1,), True, params, gen, (1,), ())] * trials
+    tokens, _ = sample(logits[None].expand(trials, -1), reqs)
+    counts = np.bincount(tokens, minlength=len(logits))
+    expected = torch.softmax(logits / temperature, 0).numpy() * trials
+    assert chisquare_pvalue(counts, expected) > 1e-3, (counts, expected)
+    if temperature != 1.0:
+        at_one = torch.softmax(logits, 0).numpy() * trials
+        assert chisquare_pvalue(counts, at_one) < 1e-6, (counts, at_one)
 
 
 @pytest.mark.parametrize(
