@@ -237,10 +237,12 @@ with LLM(model=d, compile=compile_, kv_cache_gib=0.5, max_model_len=64,
 @pytest.mark.parametrize(
     ("dtype", "compiled"),
     [
-        ("float32", False),
+        # the bound is a property of the load path, not of the vector ISA: the AVX2 host's
+        # narrower panels are checked once, on the int8 linears that pack them
+        pytest.param("float32", False, marks=pytest.mark.one_host("load path, ISA-free")),
         pytest.param("float32", True, marks=pytest.mark.slow),  # ~20-35 s of compile
         ("int8", False),
-        ("bfloat16", False),
+        pytest.param("bfloat16", False, marks=pytest.mark.one_host("load path, ISA-free")),
     ],
     ids=["fp32", "fp32-compiled", "int8", "bf16"],
 )
