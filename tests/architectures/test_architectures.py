@@ -168,9 +168,12 @@ def test_an_eager_only_architecture_runs_eagerly_under_compile_true(tmp_path, ca
 @pytest.mark.parametrize(
     "model_type",
     [
-        "mimo_v2_flash",  # sinks on its SWA layers only, K/V heads per layer, MoE
+        "persimmon",  # fused QKV, partial rotary: a transposed query
+        # sinks on SWA layers only, K/V heads per layer, MoE. Under -m slow: once it compiled
+        # in a process, a later engine's background-compiled whole graph failed to load there
+        # ("Missing required external references: ['torch']"), not yet explained
+        pytest.param("mimo_v2_flash", marks=pytest.mark.slow),
         pytest.param("gpt_oss", marks=pytest.mark.slow),  # sinks, MoE with biases, clamps
-        pytest.param("persimmon", marks=pytest.mark.slow),  # fused QKV, partial rotary
     ],
 )
 def test_compiled_graphs_decode_what_hf_does(model_type, tmp_path):
