@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,21 +23,9 @@ from ember.attention.metadata import AttentionMetadata
 WINDOW_ONLY_IN_MASK = frozenset({"phimoe"})
 
 
-@dataclass(frozen=True)
-class _SideOps:
-    """What the attention function calls besides the backend's op, bound with it (never read
-    as a module global: a compiled graph saved after tracing a global read needs that global
-    at load, which `torch.compiler.load_compiled_function` does not pass)."""
-
-    cross_attention_ranges: Callable[..., torch.Tensor]
-    sink_scale: Callable[..., torch.Tensor]
-    window_in_mask: frozenset[str]
-
-
 def _attention_forward(
     op: Callable[..., torch.Tensor],
     opaque_op: Callable[..., torch.Tensor] | None,
-    side_ops: _SideOps,
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -66,7 +53,7 @@ def _attention_forward(
     tables: torch.Tensor | None = meta.block_tables
     causal = bool(getattr(module, "is_causal", True))
     config = getattr(module, "config", None)
-    if sliding_window is None and getattr(config, "model_type", None) in side_ops.window_in_mask:
+    if sliding_window is None and getattr(config, "model_type", None) in WINDOW_ONLY_IN_MASK:
         sliding_window = config.sliding_window
     if "kv_cache" in kwargs:
         kv_cache = kwargs["kv_cache"]
@@ -80,7 +67,7 @@ def _attention_forward(
         # A vision-language model's cross-attention: each token attends its own range of its
         # sequence's image K/V (written once per request by the vision pass, see
         # `ember.compile.capture.capture_vision_forward`); HF's key/value are ignored.
-        out = side_ops.cross_attention_ranges(
+        out = torch.ops.ember.cross_attention_ranges(
             query[0].transpose(0, 1),
             kv_cache,
             meta.query_start_loc,
@@ -113,7 +100,7 @@ def _attention_forward(
     )
     sinks = kwargs.get("s_aux")
     if sinks is not None:  # gpt-oss, Granite-SWA: a learned logit per head in the softmax
-        out = side_ops.sink_scale(
+        out = torch.ops.ember.sink_scale(
             out, query[0].transpose(0, 1), kv_cache, meta.query_start_loc, seq_lens, tables,
             sinks, float(scaling if scaling is not None else head_dim**-0.5),
             int(sliding_window or 0), float(softcap or 0.0), causal,
@@ -134,10 +121,7 @@ def register_attention(
         return name
     op = backend.load_op(cpu_isa)
     opaque = backend.load_opaque_op(cpu_isa)
-    side = _SideOps(
-        torch.ops.ember.cross_attention_ranges, torch.ops.ember.sink_scale, WINDOW_ONLY_IN_MASK
-    )
-    AttentionInterface.register(name, functools.partial(_attention_forward, op, opaque, side))
+    AttentionInterface.register(name, functools.partial(_attention_forward, op, opaque))
     return name
 
 

@@ -96,6 +96,31 @@ def _write_kv_fake(*args: object) -> None:
 write_kv_cache = define_op("write_kv_cache", write_kv, _write_kv_fake, mutates_args=("kv_cache",))
 
 
+def visible_keys(
+    q_pos: torch.Tensor, length: int, seq_lens: torch.Tensor, causal: bool, sliding_window: int
+) -> torch.Tensor:
+    """mask [n, 1, Lq, L] (True = visible) from query positions `q_pos [n, Lq]` and context
+    lengths `seq_lens [n]`."""
+    k_pos = torch.arange(length)
+    mask = k_pos[None, None, :] < seq_lens[:, None, None]
+    if causal:
+        mask = mask & (k_pos[None, None, :] <= q_pos[:, :, None])
+    if sliding_window > 0:
+        mask = mask & (k_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
+    return mask[:, None]
+
+
+def context_rows(
+    kv_cache: torch.Tensor, table: torch.Tensor, length: int, half: int
+) -> torch.Tensor:
+    """One sequence's first `length` K (`half` 0) or V (1) rows `[length, num_kv_heads, D]`
+    in float32, read from its blocks `table` of a cache in the default layout."""
+    _, _, block_size, num_kv_heads, row = kv_cache.shape
+    blocks = table[: -(-length // block_size)].long()
+    rows = kv_cache[half].index_select(0, blocks).view(-1, num_kv_heads, row)[:length]
+    return cache_rows(kv_cache, rows, torch.float32)
+
+
 def cross_attention_ranges_ref(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -115,7 +140,6 @@ def cross_attention_ranges_ref(
     sequences, padding) gets zeros. Math in fp32; returns query's dtype.
     """
     out = torch.zeros(query.shape, dtype=query.dtype)  # contiguous, as the fake says
-    _, _, block_size, num_kv_heads, row = kv_cache.shape
     starts = query_start_loc.tolist()
     lens = cross_seq_lens.tolist()
     for s, length in enumerate(lens):
@@ -126,10 +150,8 @@ def cross_attention_ranges_ref(
         live = ranges[:, 1] > ranges[:, 0]
         if not bool(live.any()):
             continue
-        blocks = cross_block_tables[s, : -(-length // block_size)].long()
-        k = kv_cache[0].index_select(0, blocks).view(-1, num_kv_heads, row)[:length]
-        v = kv_cache[1].index_select(0, blocks).view(-1, num_kv_heads, row)[:length]
-        k, v = cache_rows(kv_cache, k, torch.float32), cache_rows(kv_cache, v, torch.float32)
+        k = context_rows(kv_cache, cross_block_tables[s], length, 0)
+        v = context_rows(kv_cache, cross_block_tables[s], length, 1)
         pos = torch.arange(length)
         mask = (pos[None, :] >= ranges[:, :1]) & (pos[None, :] < ranges[:, 1:])
         mask[~live] = True  # rows computed but dropped below
@@ -173,29 +195,20 @@ def sink_scale_ref(
     otherwise has no edge for. Reads the cache in the default layout; math in fp32.
     """
     res = out.clone()
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    num_heads = query.shape[1]
-    group = num_heads // num_kv_heads
+    group = query.shape[1] // kv_cache.shape[3]
     starts = query_start_loc.tolist()
     sink = sinks.float()[:, None]  # [H, 1]
     for s, length in enumerate(seq_lens.tolist()):
         a, b = starts[s], starts[s + 1]
         if b <= a or length <= 0:
             continue
-        blocks = block_tables[s, : -(-length // block_size)].long()
-        k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:length]
-        k = cache_rows(kv_cache, k, torch.float32).repeat_interleave(group, dim=1)  # [L, H, D]
+        k = context_rows(kv_cache, block_tables[s], length, 0).repeat_interleave(group, dim=1)
         q = query[a:b].float()  # [T, H, D]
         scores = torch.einsum("thd,lhd->htl", q, k) * scale
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
-        q_pos = torch.arange(length - (b - a), length)[:, None]
-        k_pos = torch.arange(length)[None, :]
-        visible = torch.ones(b - a, length, dtype=torch.bool)
-        if causal:
-            visible &= k_pos <= q_pos
-        if sliding_window > 0:
-            visible &= k_pos > q_pos - sliding_window
+        q_pos = torch.arange(length - (b - a), length)[None]
+        visible = visible_keys(q_pos, length, torch.tensor([length]), causal, sliding_window)[0]
         lse = torch.logsumexp(scores.masked_fill(~visible, float("-inf")), dim=-1)  # [H, T]
         factor = torch.sigmoid(lse - sink).transpose(0, 1)[..., None]  # [T, H, 1]
         res[a:b] = (out[a:b].float() * factor).to(out.dtype)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ember import kernels
-from ember.attention.ops import cache_rows, paged_attention_fake, write_kv
+from ember.attention.ops import cache_rows, paged_attention_fake, visible_keys, write_kv
 from ember.host.isa import cpu_has_native_bf16
 from ember.kernels.library import define_op
 
@@ -89,20 +89,6 @@ def _gather(
     return k, v
 
 
-def _visible(
-    q_pos: torch.Tensor, length: int, seq_lens: torch.Tensor, causal: bool, sliding_window: int
-) -> torch.Tensor:
-    """mask [n, 1, Lq, L] (True = visible) from query positions `q_pos [n, Lq]` and context
-    lengths `seq_lens [n]`."""
-    k_pos = torch.arange(length)
-    mask = k_pos[None, None, :] < seq_lens[:, None, None]
-    if causal:
-        mask = mask & (k_pos[None, None, :] <= q_pos[:, :, None])
-    if sliding_window > 0:
-        mask = mask & (k_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
-    return mask[:, None]
-
-
 def _softcapped(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, cap: float
 ) -> torch.Tensor:
@@ -149,7 +135,7 @@ def _attend_decodes(
         tables = F.pad(tables, (0, nb - tables.shape[1]))
     k, v = _gather(kv_cache, tables.long(), query.dtype)  # [n, Hkv, L, D]
     total = k.shape[2]
-    mask = _visible((seq_lens - 1)[:, None], total, seq_lens, True, sliding_window)  # [n,1,1,L]
+    mask = visible_keys((seq_lens - 1)[:, None], total, seq_lens, True, sliding_window)  # [n,1,1,L]
     # Fold the query heads of each K/V head into the query axis: [n, Hkv, group, D].
     q = query[tok].to(k.dtype).view(n, num_kv_heads, group, head_dim)
     if softcap > 0:
@@ -201,7 +187,7 @@ def _attend_chunks(
     rows = torch.arange(max_q)
     valid = rows[None, :] < q_lens[:, None]  # [m, max_q]
     q_pos = (seq_lens - q_lens)[:, None] + rows[None, :]
-    mask = _visible(q_pos, length, seq_lens, causal, sliding_window)  # [m, 1, max_q, L]
+    mask = visible_keys(q_pos, length, seq_lens, causal, sliding_window)  # [m, 1, max_q, L]
     if m == 1:  # one chunk: contiguous rows, no padding
         start = int(starts[0])
         q = query[start : start + max_q].to(k.dtype)[None]
