@@ -71,11 +71,6 @@ RECURSIVE = "recurrent reasoning cycles (HRM) that rerun layers over their own o
 # `ember::sink_scale` after the paged op.
 ATTENTION_SINKS = frozenset({"gpt_oss", "granite_swa", "granitemoe_swa", "flint", "mimo_v2_flash"})
 
-# model_type -> why its compiled graphs are not run (compile=True runs it eagerly, exact,
-# and says why). Empty: gpt-oss, MiMo-V2-Flash and Persimmon were here until the ops' shape
-# functions stopped giving a transposed query's strides to a contiguous output.
-EAGER_ONLY: dict[str, str] = {}
-
 # model_type -> the missing feature, for those ember refuses with a reason of its own (the
 # rest are refused by `ember.model.spec.model_task` or as not checked).
 REFUSED: dict[str, str] = {
@@ -147,12 +142,17 @@ _SPARSE_LAYER_TYPES = frozenset(
 )  # fmt: skip
 
 
-def check_architecture(config: PretrainedConfig, known_only: bool = False) -> None:
+def check_architecture(config: PretrainedConfig) -> None:
     """Raise `UnsupportedModelError` naming the missing feature unless ember runs `config`'s
-    causal LM exactly (see the module docstring). `known_only`: only the refusals with a
-    reason of their own (the table and the layer kinds), not "not checked"."""
+    causal LM exactly (see the module docstring)."""
+    refuse_known(config)
+    require_checked(config)
+
+
+def refuse_known(config: PretrainedConfig) -> None:
+    """The refusals with a reason of their own: the table, and layer kinds ember lacks."""
     model_type = config.model_type
-    arch = (getattr(config, "architectures", None) or [model_type])[0]
+    arch = _arch(config)
     if model_type in REFUSED:
         raise UnsupportedModelError(
             f"architecture {arch!r} (model_type {model_type!r}) is not supported: it has "
@@ -166,7 +166,14 @@ def check_architecture(config: PretrainedConfig, known_only: bool = False) -> No
                 f"architecture {arch!r} has layers of kind {sorted(kinds)}: {feature}, which "
                 "ember does not run exactly"
             )
-    if known_only or model_type in EXACT:
+
+
+def require_checked(config: PretrainedConfig) -> None:
+    """Refuse a model_type not in `EXACT` (it may decode wrong tokens), unless the user opts
+    in with UNVERIFIED_ENV."""
+    model_type = config.model_type
+    arch = _arch(config)
+    if model_type in EXACT:
         return
     if os.environ.get(UNVERIFIED_ENV) == "1":
         logger.warning(
@@ -179,6 +186,10 @@ def check_architecture(config: PretrainedConfig, known_only: bool = False) -> No
         f"architecture {arch!r} (model_type {model_type!r}) has not been checked against HF by "
         f"ember, so it may decode wrong tokens; set {UNVERIFIED_ENV}=1 to load it anyway"
     )
+
+
+def _arch(config: PretrainedConfig) -> str:
+    return (getattr(config, "architectures", None) or [config.model_type])[0]
 
 
 def _per_layer_kinds(config: PretrainedConfig) -> list[str]:

@@ -27,7 +27,12 @@ from transformers.models.auto.modeling_auto import (
 
 from ember.attention import AttentionFeatures
 from ember.errors import UnsupportedModelError
-from ember.model.architectures import ATTENTION_SINKS, check_architecture
+from ember.model.architectures import (
+    ATTENTION_SINKS,
+    check_architecture,
+    refuse_known,
+    require_checked,
+)
 
 # "generate" (causal LM), "encdec" (encoder-decoder LM) or "embed" (encoder-only model).
 TASKS = ("generate", "encdec", "embed")
@@ -259,7 +264,7 @@ def model_task(config: PretrainedConfig) -> str:
             "nor an encoder base model that ember can capture"
         )
     if task == "generate":
-        check_architecture(config, known_only=True)  # a reason of its own comes first
+        refuse_known(config)  # a reason of its own comes before the routing check
     model_cls = _AUTO_CLASSES[task]._model_mapping[type(config)]
     # HF flags models tested with custom attention functions; BART-family models do not carry
     # the flag but dispatch every attention call through the same registry.
@@ -270,7 +275,7 @@ def model_task(config: PretrainedConfig) -> str:
             "interface, so ember cannot capture it"
         )
     if task == "generate":
-        check_architecture(config)
+        require_checked(config)
     return task
 
 

@@ -24,7 +24,6 @@ from ember.attention import BACKEND_NAMES, BackendUnavailableError, select_backe
 from ember.attention.ops import kv_row_width
 from ember.host.dirs import default_compile_cache_dir
 from ember.host.isa import CPU_ISAS, check_host_isa, resolve_isa
-from ember.model.architectures import EAGER_ONLY
 from ember.model.gguf.reader import has_quantized_weights
 from ember.model.layers.rewrite import QUANTIZATIONS
 from ember.model.spec import (
@@ -231,7 +230,6 @@ class EngineArgs:
         buckets = tuple(b for b in self.token_buckets if b <= self.max_num_batched_tokens)
         limit_mm = _limit_mm(self.limit_mm_per_prompt, spec)
         speculative = SpeculativeConfig.parse(self.speculative_config)
-        compile_ = self.compile and _can_compile() and _compiles_exactly(spec)
         return EngineConfig(
             model=self.model,
             model_spec=spec,
@@ -247,8 +245,8 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_model_len,
             seed=self.seed,
-            compile=compile_,
-            background_compile=self.background_compile and (compile_ or not self.compile),
+            compile=self.compile and _can_compile(),
+            background_compile=self.background_compile,
             regional_compile=self.regional_compile,
             compile_cache_dir=_compile_cache_dir(self.compile_cache_dir, self.freeze_weights),
             freeze_weights=self.freeze_weights,
@@ -360,20 +358,6 @@ def _can_compile() -> bool:
         logging.getLogger("ember").warning(
             "compile=True needs a C++ compiler (%s); running eagerly", why
         )
-    return why is None
-
-
-def _compiles_exactly(spec: ModelSpec) -> bool:
-    """False (said once) for an architecture whose compiled graphs are known to decode other
-    tokens than its eager forward (`ember.model.architectures.EAGER_ONLY`): it runs eagerly,
-    exact, rather than compiled and wrong."""
-    why = EAGER_ONLY.get(spec.hf_config.model_type)
-    if why is not None:
-        logging.getLogger("ember").warning(
-            "compile=True: %s graphs compiled by ember decode other tokens than HF (%s); "
-            "running eagerly",
-            spec.architecture, why,
-        )  # fmt: skip
     return why is None
 
 
