@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+from transformers import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ember import LLM, SamplingParams
@@ -24,6 +24,7 @@ from ember.errors import UnsupportedModelError
 from ember.model import architectures
 from ember.model.spec import read_model_spec
 from tests.architectures import zoo
+from tests.conftest import hf_greedy
 
 MAX_NEW = 6
 PROMPT_LENGTHS = (5, 19)  # the longer one: past the window (8) and over two chunks of 16
@@ -37,23 +38,6 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, zoo.VOCAB - 6, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def _hf_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    for p in prompts:
-        with torch.no_grad():
-            ids = hf.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        out.append(ids[0, len(p) :].tolist())
-    return out
-
-
 EXACT = sorted(architectures.EXACT & set(zoo.causal_model_types()) - CHECKED_ELSEWHERE)
 NOT_EXACT = sorted(set(zoo.causal_model_types()) - architectures.EXACT)
 
@@ -62,7 +46,7 @@ NOT_EXACT = sorted(set(zoo.causal_model_types()) - architectures.EXACT)
 def test_an_exact_architecture_decodes_what_hf_does(model_type, tmp_path):
     path = zoo.build(model_type, str(tmp_path / model_type))
     prompts = _prompts()
-    want = _hf_greedy(path, prompts)
+    want = hf_greedy(path, prompts, MAX_NEW)
     llm = LLM(
         model=path,
         compile=False,
@@ -151,20 +135,6 @@ def test_an_unchecked_model_type_loads_only_when_the_user_opts_in(monkeypatch, c
         architectures.check_architecture(zoo.tiny_config("qwen3_next"))
 
 
-def test_an_eager_only_architecture_runs_eagerly_under_compile_true(tmp_path, caplog, monkeypatch):
-    """An architecture exact eagerly but not from ember's compiled graphs (EAGER_ONLY):
-    compile=True runs it eagerly and says so, rather than compiled and wrong."""
-    from ember.runtime.config import EngineArgs
-
-    monkeypatch.setitem(architectures.EAGER_ONLY, "gpt_oss", "a compiled-graph defect")
-    path = zoo.build("gpt_oss", str(tmp_path / "gpt_oss"))
-    config = EngineArgs(model=path, dtype="float32", kv_cache_gib=0.005).create_engine_config()
-    assert config.compile is False
-    assert "running eagerly" in caplog.text and "GptOssForCausalLM" in caplog.text
-    llama = zoo.build("llama", str(tmp_path / "llama"))
-    assert EngineArgs(model=llama, kv_cache_gib=0.005).create_engine_config().compile is True
-
-
 @pytest.mark.parametrize(
     "model_type",
     [
@@ -183,7 +153,7 @@ def test_compiled_graphs_decode_what_hf_does(model_type, tmp_path):
     path = zoo.build(model_type, str(tmp_path / model_type))
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, zoo.VOCAB - 6, (n,), generator=g).tolist() for n in (5, 19, 30, 3)]
-    want = _hf_greedy(path, prompts)
+    want = hf_greedy(path, prompts, MAX_NEW)
     llm = LLM(
         model=path, dtype="float32", kv_cache_gib=0.005, block_size=4, max_model_len=64,
         max_num_batched_tokens=BUDGET,

@@ -15,11 +15,13 @@ def ref_attention(
     causal: bool = True,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one sequence's new tokens over its whole context, naively, in float32.
 
     query [num_new, num_heads, head_dim] for the last `num_new` positions of the context;
-    key/value [seq_len, num_kv_heads, head_dim] for every position 0..seq_len-1.
+    key/value [seq_len, num_kv_heads, head_dim] for every position 0..seq_len-1; `sinks
+    [num_heads]`: a logit per head in the softmax's denominator, with no value (gpt-oss).
     Returns [num_new, num_heads, head_dim] in float32.
     """
     num_new, num_heads, head_dim = query.shape
@@ -42,9 +44,10 @@ def ref_attention(
                 if softcap > 0:
                     s = softcap * math.tanh(s / softcap)
                 scores.append((s, j))
-            m = max(s for s, _ in scores)
+            sink = [] if sinks is None else [float(sinks[h])]
+            m = max([s for s, _ in scores] + sink)
             weights = [(math.exp(s - m), j) for s, j in scores]
-            total = sum(w for w, _ in weights)
+            total = sum(w for w, _ in weights) + sum(math.exp(s - m) for s in sink)
             for w, j in weights:
                 out[i, h] += (w / total) * v32[j, kv]
     return out

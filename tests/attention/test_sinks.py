@@ -3,38 +3,13 @@ joins the softmax's denominator as a key with a zero value (gpt-oss, Granite-SWA
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from ember.attention import select_backend
 from ember.attention.metadata import build_attention_metadata
 from ember.attention.ops import dequantize_kv_rows, kv_row_width, quantize_kv_rows, write_kv
-
-
-def _oracle(q, k, v, scale, sink, sliding_window, softcap):
-    """q [n, H, D] for the last n of len(k) positions; k/v [L, Hkv, D]; float32, per element."""
-    n, num_heads, head_dim = q.shape
-    length, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    out = torch.zeros(n, num_heads, head_dim)
-    for i in range(n):
-        pos = length - n + i
-        for h in range(num_heads):
-            scores = []
-            for j in range(pos + 1):
-                if sliding_window > 0 and j <= pos - sliding_window:
-                    continue
-                s = float(q[i, h] @ k[j, h // group]) * scale
-                if softcap > 0:
-                    s = softcap * math.tanh(s / softcap)
-                scores.append((s, j))
-            m = max(max(s for s, _ in scores), float(sink[h]))
-            total = sum(math.exp(s - m) for s, _ in scores) + math.exp(float(sink[h]) - m)
-            for s, j in scores:
-                out[i, h] += math.exp(s - m) / total * v[j, h // group]
-    return out
+from tests.attention.reference import ref_attention
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
@@ -82,7 +57,7 @@ def test_sinks_match_the_oracle_in_a_mixed_batch(kv_dtype, window, softcap):
     for (_c, n), k, v in zip(specs, ks, vs):
         if kv_dtype == torch.int8:  # what the cache holds
             k, v = dequantize_kv_rows(quantize_kv_rows(k)), dequantize_kv_rows(quantize_kv_rows(v))
-        want = _oracle(query[start : start + n], k, v, scale, sinks, window, softcap)
+        want = ref_attention(query[start : start + n], k, v, scale, True, window, softcap, sinks)
         torch.testing.assert_close(got[start : start + n], want, atol=1e-4, rtol=1e-4)
         start += n
     assert not got[start:].any()  # padding rows stay zero
