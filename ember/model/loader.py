@@ -28,6 +28,7 @@ from ember.errors import UnsupportedModelError
 from ember.host.memory import drop_pages, move_to_huge_pages, release_free_heap
 from ember.lora.layers import LoRALinear, install_lora
 from ember.model import packed_cache
+from ember.model.layers.experts import StackedPanels, quantize_experts_
 from ember.model.layers.group import GroupLinear
 from ember.model.layers.packed import GemvLinear, PackedLinear
 from ember.model.layers.rewrite import (
@@ -201,9 +202,11 @@ def _rewrite_linears(
         # An embedding model's steps are whole texts: int8 GEMMs on per-token scales.
         per_token = task == "embed"
         quantize_int8_(model, consumed, quantize_activations, per_token)
+        quantize_experts_(model, 8, consumed)  # MoE experts: 8-bit groups of 32 (Q8_0's)
     elif quantization == "int4":
         kernels.load(cpu_isa)
         quantize_int4_(model, consumed=consumed)
+        quantize_experts_(model, 4, consumed)
     elif kernel_linears and kernels.available(cpu_isa):
         use_kernel_linears_(model, dtype, consumed)
 
@@ -322,7 +325,12 @@ def _widen_all_but_linear_weights(model: PreTrainedModel, dtype: torch.dtype) ->
     output is widened instead (a tied LM head shares that table, so it stays one tensor)."""
     embed = model.get_input_embeddings()
     keep = {id(m.weight) for m in model.modules() if isinstance(m, (GemvLinear, PackedLinear))}
-    keep.update(id(t) for m in model.modules() if isinstance(m, GroupLinear) for t in m.buffers())
+    keep.update(
+        id(t)
+        for m in model.modules()
+        if isinstance(m, (GroupLinear, StackedPanels))
+        for t in m.buffers()
+    )
     keep.add(id(embed.weight))
     for module in model.modules():
         for param in module.parameters(recurse=False):

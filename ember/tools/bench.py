@@ -310,7 +310,8 @@ def measure_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
 def decode_bytes_per_token(model: torch.nn.Module) -> int:
     """Weight bytes one batch-1 decode step reads: every parameter and weight buffer (int8
     weights and their scales) except the input embedding table (one row of it is read),
-    counting a tied LM head once."""
+    counting a tied LM head once, and of a mixture of experts only the experts a token is
+    routed to (`_idle_expert_bytes`)."""
     module = model.get_input_embeddings()  # type: ignore[operator]
     embed = module.weight
     unique = {t.data_ptr(): t for t in model.state_dict().values()}  # params + saved buffers
@@ -322,7 +323,31 @@ def decode_bytes_per_token(model: torch.nn.Module) -> int:
     table = {
         t.data_ptr(): t for t in module.state_dict().values()
     }  # a quantized table's scales too
-    return total - sum(t.numel() * t.element_size() for t in table.values())
+    total -= sum(t.numel() * t.element_size() for t in table.values())
+    return total - _idle_expert_bytes(model)
+
+
+def _idle_expert_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the experts a batch-1 token does not read: of each MoE layer's E experts
+    (an HF experts module's [E, ...] weights, or `QuantizedExperts`' stacked panels) it reads
+    its top k (`num_experts_per_tok`), so E - k experts' bytes are idle (Qwen3-30B-A3B:
+    120 of 128)."""
+    config = model.config.get_text_config()  # type: ignore[union-attr, operator]
+    k = getattr(config, "num_experts_per_tok", None)
+    if not k:
+        return 0
+    idle = 0
+    for module in model.modules():
+        num = getattr(module, "num_experts", None)
+        if not isinstance(num, int) or num <= k:
+            continue
+        # its own [E, rows, K] weights (gate_up_proj, down_proj; a stacked panel's), not a
+        # router's [E, H], which every token reads
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        tensors = [t for t in own if t.dim() >= 3 and t.shape[0] == num]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        idle += nbytes * (num - k) // num
+    return idle
 
 
 def measure_gemm_gflops(

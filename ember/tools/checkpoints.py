@@ -27,6 +27,8 @@ from transformers import (
     MistralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
 )
 
 from ember.host.dirs import user_cache_dir
@@ -46,6 +48,8 @@ _FAMILIES: dict[str, Any] = {
     "qwen2": Qwen2Config,
     "mistral": MistralConfig,
     "gemma3": Gemma3TextConfig,
+    "qwen2_moe": Qwen2MoeConfig,
+    "qwen3_moe": Qwen3MoeConfig,
 }
 
 _TINY: dict[str, Any] = dict(
@@ -72,6 +76,45 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             head_dim=16,
             sliding_window=8,
             layer_types=["sliding_attention", "full_attention"] * 2,
+        ),
+    ),
+    # Mixtures of experts: 8 experts, 2 a token (Qwen3-MoE normalises the top-k weights), and
+    # Qwen2-MoE's gated shared expert beside them.
+    "tiny-qwen3-moe": (
+        "qwen3_moe",
+        dict(
+            _TINY,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+        ),
+    ),
+    "tiny-qwen2-moe": (
+        "qwen2_moe",
+        dict(
+            _TINY,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=96,
+        ),
+    ),
+    "qwen3-moe-30b-a3b-4l": (  # Qwen3-30B-A3B's shape cut to 4 layers (#74's benchmark)
+        "qwen3_moe",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=4,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            norm_topk_prob=True,
+            vocab_size=151936,
         ),
     ),
     "small-llama": (

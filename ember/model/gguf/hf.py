@@ -28,6 +28,17 @@ def _transformers_value(value: Any) -> Any:
     return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
+# GGUF MoE architectures -> transformers' model_type (as `load_gguf_checkpoint` renames them).
+_MOE_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# Their expert widths, which transformers' mapping (5.23) omits: it leaves
+# `moe_intermediate_size` (and Qwen2-MoE's shared expert's) at the config class's default,
+# so a file of any other shape fails to load there. llama.cpp reads both.
+_MOE_KEYS = {
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+
+
 def gguf_config_dict(file: GGUFFile) -> dict[str, Any]:
     """The config dict transformers' `load_gguf_checkpoint(path)["config"]` gives for a file of
     one of ember's `ARCHITECTURES` (all of which it reads that way, by `GGUF_CONFIG_MAPPING`):
@@ -35,12 +46,13 @@ def gguf_config_dict(file: GGUFFile) -> dict[str, Any]:
     `output.weight`; transformers' defaults for the architecture, over which each metadata
     key under the architecture's (or "general.") prefix that the mapping names is set, in
     file order; Gemma 3 is its text model; the vocabulary's length where no key gives the
-    size (from a light parse too)."""
+    size (from a light parse too). Beyond transformers: MoE files' expert widths
+    (`_MOE_KEYS`)."""
     from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     arch = file.metadata["general.architecture"]
     named_mistral = file.metadata.get("general.name") == "mistral"  # the whole name, as there
-    updated = "mistral" if "llama" in arch and named_mistral else arch
+    updated = "mistral" if "llama" in arch and named_mistral else _MOE_TYPES.get(arch, arch)
     config: dict[str, Any] = {
         "tie_word_embeddings": all(t.name != "output.weight" for t in file.tensors)
     }
@@ -53,6 +65,8 @@ def gguf_config_dict(file: GGUFFile) -> dict[str, Any]:
         if isinstance(value, str) and arch in value:
             value = value.replace(arch, updated)
         renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(name, -1)
+        if prefix in _MOE_TYPES.values():
+            renamed = _MOE_KEYS.get(name, renamed)
         if renamed not in (None, -1):
             config[renamed] = value
     if config.get("model_type") == "gemma3":

@@ -34,7 +34,9 @@ size.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import re
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -51,12 +53,14 @@ from ember.model.gguf.convert import (
     _dense,
     _dense_view,
     _permute_rows,
+    _row_chunks,
     fused_group_linear,
     group_linear_from_file,
 )
 from ember.model.gguf.index import _IndexedFile, _save_index
 from ember.model.gguf.names import weights_map
 from ember.model.gguf.reader import DENSE_TYPES, _architecture, _reader
+from ember.model.layers.experts import QuantizedExperts, StackedPanels, hf_experts_activation
 from ember.model.layers.group import (
     BLOCK_TYPES,
     GroupEmbedding,
@@ -67,6 +71,9 @@ from ember.model.layers.panels import GROUP_SIZE
 from ember.model.layers.rewrite import FUSED_PROJECTIONS, place_fused
 
 logger = logging.getLogger("ember")
+
+# A MoE layer's experts in one tensor [E, rows, K] each (llama.cpp's names).
+_EXPERT_TENSOR = re.compile(r"(?P<name>blk\.\d+\.ffn_(?P<w>gate|up|down)_exps)\.weight")
 
 
 @contextlib.contextmanager
@@ -85,12 +92,17 @@ def weights_arena(path: str) -> Iterator[None]:
             n, k = int(tensor.shape[1]), int(tensor.shape[0])
             packed += -(-n // panel) * panel * k * tensor.n_bytes // (n * k)
             continue
-        if qtype.name in DENSE_TYPES or len(tensor.shape) != 2 or tensor.shape[0] % GROUP_SIZE:
+        experts = int(tensor.shape[2]) if len(tensor.shape) == 3 else 1  # MoE: [E, N, K]
+        if (
+            qtype.name in DENSE_TYPES
+            or len(tensor.shape) not in (2, 3)
+            or tensor.shape[0] % GROUP_SIZE
+        ):
             continue
         bits, _ = _converter(qtype)
         _, offsets, super_blocks = BLOCK_TYPES.get(qtype.name, (bits, False, False))
         n, k = int(tensor.shape[1]), int(tensor.shape[0])
-        packed += GroupLinear.packed_nbytes(n, k, bits, offsets, super_blocks)
+        packed += experts * GroupLinear.packed_nbytes(n, k, bits, offsets, super_blocks)
     # Room for fused groups' and alignment's slack; only `packed` is faulted in ahead.
     with weight_arena(packed + packed // 8 + (4 << 20), packed):
         yield
@@ -114,7 +126,8 @@ def load_gguf_model(
         names = weights_map(model, processor, arch)
         _save_index(path, reader, arch, model_class, names)
     placer = _Placer(path, model, processor, reader)
-    kept, dense, tables = placer.sort(names, arch)
+    kept, dense, tables, experts = placer.sort(names, arch)
+    placer.place_experts(experts)
     placer.fuse_quantized(kept)
     placer.place_dense_linears(dense)
     placer.place_quantized(kept)
@@ -151,15 +164,23 @@ class _Placer:
 
     def sort(
         self, names: dict[str, str], arch: str
-    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
         """Place every tensor that goes in as it is (`place_dense`); return the rest by module:
         (quantized weights, converted once every bias is in place; F32/F16/BF16 linear
-        weights, packed likewise; F32/F16/BF16 tables, packed as a tied head or copied)."""
+        weights, packed likewise; F32/F16/BF16 tables, packed as a tied head or copied; MoE
+        experts modules' expert tensors, by "gate" / "up" / "down")."""
         kept: dict[str, Any] = {}
         dense: dict[str, Any] = {}
         tables: dict[str, Any] = {}
+        experts: dict[str, dict[str, Any]] = {}
         for tensor in self.reader.tensors:
             hf_name = names.get(tensor.name)
+            expert = _EXPERT_TENSOR.fullmatch(tensor.name)
+            if hf_name is None and expert is not None and expert["name"] in names:
+                # transformers maps gate and up (one HF tensor) by their names without ".weight"
+                module_name = names[expert["name"]].rpartition(".")[0]
+                experts.setdefault(module_name, {})[expert["w"]] = tensor
+                continue
             if hf_name is None:
                 logger.info("GGUF tensor %s has no place in %s; skipped", tensor.name, arch)
                 continue
@@ -177,12 +198,86 @@ class _Placer:
                     tables[module_name] = tensor
                     continue
             self.place_dense(module, attr, tensor, hf_name)
-        return kept, dense, tables
+        return kept, dense, tables, experts
+
+    def place_experts(self, experts: dict[str, dict[str, Any]]) -> None:
+        """Each MoE layer's expert tensors ([E, rows, K] each): quantized ones kept as the file
+        holds them in a `QuantizedExperts` (see `ember.model.layers.experts`), where the
+        experts module is one it runs exactly; else set as the HF module's `gate_up_proj`
+        ([gate; up] per expert) and `down_proj`, dequantized to bf16 where quantized."""
+        for module_name, parts in experts.items():
+            module = self.model.get_submodule(module_name)
+            if set(parts) != {"gate", "up", "down"}:
+                raise UnsupportedModelError(
+                    f"GGUF file {self.path!r}: {module_name} has expert tensors "
+                    f"{sorted(parts)}, not gate, up and down"
+                )
+            gate, up, down = parts["gate"], parts["up"], parts["down"]
+            num_experts, rows2, width = module.gate_up_proj.shape
+            for tensor, want in ((gate, (width, rows2 // 2)), (up, (width, rows2 // 2)),
+                                 (down, (rows2 // 2, width))):  # fmt: skip
+                got = tuple(int(n) for n in tensor.shape)  # ggml's order: K, rows, experts
+                if got != (*want, num_experts):
+                    raise UnsupportedModelError(
+                        f"GGUF tensor {tensor.name} is {got[::-1]}, the config says "
+                        f"{(num_experts, *want[::-1])}"
+                    )
+            activation = hf_experts_activation(module)
+            types = [t.tensor_type for t in (gate, up, down)]
+            fits = (
+                all(t.name not in DENSE_TYPES for t in types)
+                and not (width % GROUP_SIZE)
+                and not (rows2 // 2 % GROUP_SIZE)
+            )
+            if activation is not None and fits:
+                _place(self.model, module_name, self._quantized_experts(gate, up, down, activation))
+                continue
+            halves = [_dense(t, t.tensor_type.name, t.data) for t in (gate, up)]
+            dtype = torch.promote_types(halves[0].dtype, halves[1].dtype)
+            gate_up = torch.cat([h.to(dtype) for h in halves], dim=1)
+            del halves
+            _set_tensor(module, "gate_up_proj", gate_up, f"{module_name}.gate_up_proj")
+            _set_tensor(module, "down_proj", _dense(down, types[2].name, down.data),
+                        f"{module_name}.down_proj")  # fmt: skip
+            for t in (gate, up, down):
+                self.reader.drop_pages(t.data)
+
+    def _quantized_experts(self, gate: Any, up: Any, down: Any, activation: str) -> nn.Module:
+        """gate, up and down, each one `StackedPanels` packed expert by expert straight from
+        the file (gate and up as one where they share a type and the gate fills whole
+        panels), each expert's file pages dropped once packed."""
+        num_experts = int(gate.shape[2])
+        fused = (
+            gate.tensor_type == up.tensor_type and int(gate.shape[1]) % kernels.panel_width() == 0
+        )
+
+        def stacked(tensors: list[Any]) -> StackedPanels:
+            qtype = tensors[0].tensor_type
+            bits, _ = _converter(qtype)
+            _, offsets, super_blocks = BLOCK_TYPES.get(qtype.name, (bits, False, False))
+            rows = sum(int(t.shape[1]) for t in tensors)
+            stack = StackedPanels(num_experts, rows, int(tensors[0].shape[0]), bits, offsets,
+                                  super_blocks)  # fmt: skip
+            for e in range(num_experts):
+                chunks = itertools.chain.from_iterable(
+                    _row_chunks(t.data[e], t.tensor_type, self.release) for t in tensors
+                )
+                stack.fill(e, chunks)
+            return stack
+
+        if fused:
+            return QuantizedExperts(num_experts, activation, stacked([gate, up]), None,
+                                    stacked([down]))  # fmt: skip
+        return QuantizedExperts(num_experts, activation, stacked([gate]), stacked([up]),
+                                stacked([down]))  # fmt: skip
 
     def place_dense(self, module: nn.Module, attr: str, tensor: Any, hf_name: str) -> None:
         """`tensor` set as it is (`_dense`), its file pages dropped."""
         data = _permute_rows(self.processor, tensor.name, tensor.data)
-        _set_tensor(module, attr, _dense(tensor, tensor.tensor_type.name, data), hf_name)
+        value = _dense(tensor, tensor.tensor_type.name, data)
+        if data.dtype != np.uint8 and value.shape != data.shape and value.numel() == data.size:
+            value = value.reshape(data.shape)  # reshaped by the processor (Qwen2-MoE's [1, H])
+        _set_tensor(module, attr, value, hf_name)
         del data
         self.reader.drop_pages(tensor.data)
         self.heap.freed(tensor.n_bytes)

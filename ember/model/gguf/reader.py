@@ -19,7 +19,7 @@ from ember.errors import UnsupportedModelError
 from ember.model.gguf.index import TensorType, _drop_pages, _IndexedFile, _open_indexed
 
 # general.architecture values ember loads (Mistral files say "llama"; Gemma 3's text model).
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
 
 # Metadata value types, numbered as in the GGUF spec (and `gguf.GGUFValueType`).
 UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = (

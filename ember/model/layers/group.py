@@ -60,6 +60,10 @@ BLOCK_TYPES = {
 }
 
 
+# A `GroupLinear`'s packed tensors: (codes, scales, mins or None).
+Panels = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
 class GroupLinear(nn.Module):
     """`y = x @ w.T + bias` with w in groups of 32 consecutive k of one output channel, each
     with an fp16 scale d (and an fp16 offset m for asymmetric 4-bit codes): w = d q (`bits=8`,
@@ -112,24 +116,28 @@ class GroupLinear(nn.Module):
         bits: int,
         chunks: Iterable[Rows | SuperRows | Blocks],
         bias: torch.Tensor | None = None,
+        into: Panels | None = None,
     ) -> GroupLinear:
         """A `GroupLinear` built from consecutive row ranges of the weight, each packed into the
         panels as it arrives: `(codes, scales, mins)` as the constructor takes them, or
         `Blocks` of a GGUF file. A converter that yields `row_chunk()` rows at a time holds
         only those rows' temporaries, not several copies of a whole (embedding-sized) weight.
-        Every chunk but the last has a multiple of the panel width of rows."""
+        Every chunk but the last has a multiple of the panel width of rows. `into`: zeroed
+        (codes, scales, mins) of the layout's shapes (`layout_shapes`) to pack into, such as
+        one expert's slices of a stacked MoE weight, instead of newly allocated ones."""
         chunks = iter(chunks)
         first = next(chunks)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         if isinstance(first, Blocks):
             _, offsets, super_blocks = BLOCK_TYPES[first.type]
-            self._allocate(out_features, first.in_features, bits, offsets, bias, super_blocks)
+            self._allocate(out_features, first.in_features, bits, offsets, bias, super_blocks, into)
         elif isinstance(first, SuperRows):
             offsets = first.sub_mins is not None
-            self._allocate(out_features, first.codes.shape[1], bits, offsets, bias, True)
+            self._allocate(out_features, first.codes.shape[1], bits, offsets, bias, True, into)
         else:
-            self._allocate(out_features, first[0].shape[1], bits, first[2] is not None, bias)
+            offsets = first[2] is not None
+            self._allocate(out_features, first[0].shape[1], bits, offsets, bias, False, into)
         row = self._pack(0, first)
         for chunk in chunks:
             row = self._pack(row, chunk)
@@ -154,8 +162,10 @@ class GroupLinear(nn.Module):
         offsets: bool,
         bias: torch.Tensor | None,
         super_blocks: bool = False,
+        into: Panels | None = None,
     ) -> None:
-        """Zeroed panels for an [n, k] weight of `bits`-bit codes (see the class doc)."""
+        """Zeroed panels for an [n, k] weight of `bits`-bit codes (see the class doc), or
+        `into`'s, checked against the layout."""
         kernels.prebuild()  # laid out for the build's panel width; `forward` waits for it
         if bits not in (4, 5, 6, 8):
             raise ValueError(f"GroupLinear: bits must be 4, 5, 6 or 8, got {bits}")
@@ -170,11 +180,19 @@ class GroupLinear(nn.Module):
             )
         self.in_features, self.out_features, self.bits = k, n, bits
         self.super_blocks = super_blocks
-        panels, code_bytes, scale_cols, panel = self._layout(n, k, bits, offsets, super_blocks)
-        codes = weight_zeros((panels, code_bytes // 4, panel, 4), torch.uint8)
+        shapes = self.layout_shapes(n, k, bits, offsets, super_blocks)
+        if into is None:
+            codes = weight_zeros(shapes[0], torch.uint8)
+            scales = weight_zeros(shapes[1], torch.half)
+            mins = weight_zeros(shapes[1], torch.half) if offsets else None
+        else:
+            codes, scales, mins = into
+            got = (codes.shape, codes.dtype, scales.shape, scales.dtype, mins is not None)
+            want = (shapes[0], torch.uint8, shapes[1], torch.half, offsets)
+            if got != want or (mins is not None and mins.shape != scales.shape):
+                raise ValueError(f"GroupLinear: panels {got} given, the layout is {want}")
         self.register_buffer("codes", codes)
-        self.register_buffer("scales", weight_zeros((panels, scale_cols, panel), torch.half))
-        mins = weight_zeros((panels, scale_cols, panel), torch.half) if offsets else None
+        self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
@@ -190,6 +208,15 @@ class GroupLinear(nn.Module):
         # plain groups: each group's head of scales, then its codes, padded to a whole lane
         lanes = -(-(k // GROUP_SIZE) * _plain_group_bytes(bits, offsets) // 4)
         return -(-n // panel), 4 * lanes, 0, panel
+
+    @classmethod
+    def layout_shapes(
+        cls, n: int, k: int, bits: int, offsets: bool, super_blocks: bool = False
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of the codes (uint8) and of the scales (and mins, fp16) of an [n, k]
+        weight of `bits`-bit codes."""
+        panels, code_bytes, scale_cols, panel = cls._layout(n, k, bits, offsets, super_blocks)
+        return (panels, code_bytes // 4, panel, 4), (panels, scale_cols, panel)
 
     @classmethod
     def packed_nbytes(
