@@ -19,6 +19,7 @@ from ember.model.layers.experts import (
     QuantizedExperts,
     StackedPanels,
     _quantized,
+    moe_experts_ref,
 )
 from ember.model.layers.group import GroupLinear
 from ember.tools.bench import teacher_forced_ranks
@@ -79,6 +80,18 @@ def _dequantized_reference(x, index, weights, experts: QuantizedExperts) -> torc
     return out
 
 
+def _stacked_args(experts: QuantizedExperts) -> tuple:
+    """`ember::moe_experts`'s arguments after (x, index, weights) for `experts`."""
+    gate, up, down = experts.gate, experts.up, experts.down
+    up_args = (None, None, None, 0, 0) if up is None else (
+        up.codes, up.scales, up.mins, up.out_features, up.bits
+    )  # fmt: skip
+    return (
+        gate.codes, gate.scales, gate.mins, gate.out_features, gate.bits, *up_args,
+        down.codes, down.scales, down.mins, down.out_features, down.bits, experts.activation,
+    )  # fmt: skip
+
+
 def _routing(tokens: int, num_experts: int, k: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     index = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(tokens)])
@@ -108,6 +121,8 @@ def test_the_op_sums_each_tokens_experts_as_the_per_token_oracle(bits):
     got = experts(x, index, weights)
     oracle = _oracle(x, index, weights, experts)
     assert got.dtype == x.dtype and got.shape == x.shape
+    # the C++ op is the Python reference's sort, calls and sums: equal to the bit
+    assert torch.equal(got, moe_experts_ref(x, index, weights, *_stacked_args(experts)))
     torch.testing.assert_close(
         got.double(), oracle, rtol=1e-4, atol=1e-4 * oracle.abs().max().item()
     )
@@ -168,6 +183,7 @@ def test_k_quant_experts_from_file_blocks_gate_and_up_apart():
     index, weights = _routing(5, num_experts, 2, seed=4)
     got = experts(x, index, weights)
     oracle = _oracle(x, index, weights, experts)
+    assert torch.equal(got, moe_experts_ref(x, index, weights, *_stacked_args(experts)))
     torch.testing.assert_close(
         got.double(), oracle, rtol=1e-4, atol=1e-4 * oracle.abs().max().item()
     )

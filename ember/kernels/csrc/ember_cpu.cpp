@@ -2,7 +2,8 @@
 // Built once per machine (ember/kernels/__init__.py runs the compiler) with -O3 -march=native.
 // One translation unit (one build, one registration list below); the kernels live in one file
 // per family, included in order: vec.h (shared SIMD helpers), linear_dense.h (dense and packed
-// linears), linear_group.h (group-quantized linears), attention.h (paged attention), logits.h,
+// linears), linear_group.h (group-quantized linears), moe.h (their mixtures of experts),
+// attention.h (paged attention), logits.h,
 // packing.h (weights into panels), fast_calls.h (Python fast calls).
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #ifdef EMBER_FAST_CALLS
@@ -14,8 +15,10 @@
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/silu.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -36,6 +39,7 @@
 #include "vec.h"
 #include "linear_dense.h"
 #include "linear_group.h"
+#include "moe.h"
 #include "attention.h"
 #include "logits.h"
 #include "packing.h"
@@ -65,6 +69,12 @@ TORCH_LIBRARY(ember_cpu, m) {
       "group_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? bias, "
       "int out_features, int bits) -> Tensor");
   m.def(
+      "moe_experts(Tensor x, Tensor top_k_index, Tensor top_k_weights, Tensor gate_codes, "
+      "Tensor gate_scales, Tensor? gate_mins, int gate_rows, int gate_bits, Tensor? up_codes, "
+      "Tensor? up_scales, Tensor? up_mins, int up_rows, int up_bits, Tensor down_codes, "
+      "Tensor down_scales, Tensor? down_mins, int down_rows, int down_bits, str activation) "
+      "-> Tensor");
+  m.def(
       "group_pack_codes(Tensor(a!) codes, Tensor(b!) scales, Tensor(c!)? mins, int row, "
       "Tensor q, Tensor d, Tensor? m, int bits) -> ()");
   m.def(
@@ -83,6 +93,7 @@ TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("pack_bf16_pairs", &pack_bf16_pairs);
   m.impl("group_linear", &group_linear);
+  m.impl("moe_experts", &moe_experts);
   m.impl("group_pack_codes", &group_pack_codes);
   m.impl("group_pack_blocks", &group_pack_blocks);
 }
