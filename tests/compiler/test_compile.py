@@ -230,6 +230,9 @@ class _WarmupCache:
         return json.loads(child.stdout.strip().splitlines()[-1]) | {"log": child.stderr}
 
 
+@pytest.mark.slow  # two fresh processes, one compiling (~70 s); the cache's hit and miss in
+# the default run: test_graphs_compiled_for_one_vector_isa_are_not_served_to_another, and
+# tests/kernels/test_fast_calls.py's compiled graphs kept out of other processes' caches
 def test_compile_cache_round_trip_ember_warmup_then_engine(checkpoint_dir, tmp_path):
     """`ember warmup` fills the default compile cache, which an engine uses unless told
     otherwise (`compile_cache_dir="auto"`, as vLLM caches by default)."""
