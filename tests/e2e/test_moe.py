@@ -29,7 +29,6 @@ from tests.conftest import group_quantized_x, make_prompts
 
 KW = dict(kv_cache_gib=0.01, max_model_len=96, use_tqdm=False)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-SHAPES = ["tiny-qwen3-moe", "tiny-qwen2-moe"]
 
 
 def _expert_linears(stack: StackedPanels) -> list[GroupLinear]:
@@ -243,8 +242,13 @@ def moe_file(tmp_path_factory):
     return make
 
 
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_0", "Q4_1"])
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(
+    "shape, qtype",
+    [
+        ("tiny-qwen3-moe", "F32"), ("tiny-qwen3-moe", "Q8_0"), ("tiny-qwen3-moe", "Q4_1"),
+        ("tiny-qwen2-moe", "F32"), ("tiny-qwen2-moe", "Q4_0"),
+    ],
+)  # fmt: skip
 def test_a_moe_gguf_file_decodes_what_hf_does_on_its_values(moe_file, shape, qtype):
     """A float file keeps HF's experts module (its values as they are: token-identical to HF
     on the checkpoint); a quantized one runs `QuantizedExperts` over the file's blocks (gate
@@ -377,3 +381,70 @@ def test_the_decode_roofline_counts_the_routed_experts_only(moe_file, qtype):
         table = sum(n for name, n in size.items() if "embed_tokens" in name)
         assert experts and table
         assert decode_bytes_per_token(model) == sum(size.values()) - table - experts * 6 // 8
+
+
+def _moe_families() -> list[str]:
+    """The exact architectures (`architectures.EXACT`) whose tiny zoo model has an experts
+    module `QuantizedExperts` runs (transformers' default experts layout)."""
+    from ember.model import architectures
+    from ember.model.layers.experts import hf_experts_modules
+    from tests.architectures import zoo
+
+    found = []
+    for model_type in sorted(architectures.EXACT & set(zoo.causal_model_types())):
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(zoo.tiny_config(model_type))
+        except Exception:  # noqa: BLE001  (configs the zoo builds differently: not MoE ones)
+            continue
+        if any(True for _ in hf_experts_modules(model)):
+            found.append(model_type)
+    return found
+
+
+# What `_moe_families()` finds in transformers 5.23 (checked below; a scan at collection would
+# build ~90 meta models in every pytest process).
+MOE_FAMILIES = [
+    "afmoe", "cohere2_moe", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint",
+    "glm4_moe", "granitemoe", "granitemoe_swa", "granitemoeshared", "hunyuan_v1_moe", "hy_v3",
+    "kolibri1", "laguna", "mellum", "mimo_v2_flash", "minimax_m2", "mixtral", "olmoe", "phimoe",
+    "qwen2_moe", "qwen3_moe", "solar_open",
+]  # fmt: skip
+
+
+@pytest.mark.one_host("a scan of transformers' configs")
+def test_the_moe_families_are_what_a_scan_finds():
+    """Every exact architecture whose experts `QuantizedExperts` runs is in `MOE_FAMILIES`;
+    gpt-oss (biases, interleaved gate/up, clamped SwiGLU) and Llama 4 (transposed experts)
+    are not: they keep HF's own experts code."""
+    assert _moe_families() == MOE_FAMILIES
+    assert "gpt_oss" not in MOE_FAMILIES and "llama4_text" not in MOE_FAMILIES
+
+
+@pytest.mark.one_host("each family's layout and activation; the op's ISA paths are tested above")
+@pytest.mark.parametrize("model_type", MOE_FAMILIES)
+def test_each_moe_familys_experts_quantize_into_the_op(model_type, tmp_path):
+    """Every MoE family's experts module (tiny random model), replaced by 8-bit
+    `QuantizedExperts`, against HF's own module holding the dequantized weights, on routed
+    random tokens: the same gate/up order and activation (a mix-up gives O(1) errors; int8
+    activations give about 0.5%)."""
+    from ember.model.layers.experts import hf_experts_modules
+    from tests.architectures import zoo
+
+    kernels.load()
+    model = AutoModelForCausalLM.from_pretrained(zoo.build(model_type, str(tmp_path / "m")))
+    name, module, act = next(iter(hf_experts_modules(model)))
+    experts = _quantized(module, act, 8)
+    with torch.no_grad():
+        for stack, param in ((experts.gate, module.gate_up_proj), (experts.down, module.down_proj)):
+            rows = torch.arange(stack.out_features)
+            param.copy_(torch.stack([stack.linear(e).rows(rows) for e in range(stack.num_experts)]))
+    num = experts.num_experts
+    k = min(2, num)
+    x = torch.randn(7, module.gate_up_proj.shape[-1], generator=torch.Generator().manual_seed(5))
+    index, weights = _routing(7, num, k, seed=6)
+    with torch.no_grad():
+        want = module(x, index, weights)
+    got = experts(x, index, weights)
+    error = ((got - want).norm() / want.norm()).item()
+    assert error < 2e-2, (model_type, name, error)
