@@ -35,9 +35,35 @@ def _private_cache_root() -> str:
     kernels = user_cache_dir("kernels")
     root = tempfile.mkdtemp(prefix="ember-test-cache-")
     atexit.register(shutil.rmtree, root, ignore_errors=True)
+    private = os.path.join(root, "ember", "kernels")
     if os.path.isdir(kernels):
-        shutil.copytree(kernels, os.path.join(root, "ember", "kernels"), symlinks=True)
+        shutil.copytree(kernels, private, symlinks=True)
+    atexit.register(_keep_new_kernel_builds, private, kernels)  # runs before the rmtree
     return root
+
+
+def _keep_new_kernel_builds(private: str, kernels: str) -> None:
+    """At exit, the kernel builds this session made (build directories holding a library)
+    copied back into the user's kernel cache, which the next session copies in: a build
+    depends only on the sources, its flags and the CPU (its directory name hashes them). The
+    [avx2-host] child and the scalar-build test's child (each a session whose "user cache" is
+    its parent's private one, so their builds travel up) built theirs afresh every run, about
+    15 s of one core each."""
+    if not os.path.isdir(private):
+        return
+    for name in os.listdir(private):
+        src, dst = os.path.join(private, name), os.path.join(kernels, name)
+        if os.path.exists(dst) or not os.path.isdir(src):
+            continue
+        if not any(f.endswith(".so") for f in os.listdir(src)):
+            continue  # a failed or unfinished build
+        tmp = f"{dst}.tmp{os.getpid()}"
+        try:
+            os.makedirs(kernels, mode=0o700, exist_ok=True)
+            shutil.copytree(src, tmp, symlinks=True)
+            os.rename(tmp, dst)  # whole, or not at all
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 os.environ["XDG_CACHE_HOME"] = _private_cache_root()
