@@ -25,9 +25,7 @@ OPAQUE_OPS: dict[str, str] = {
     "ember::write_kv_cache": "ember.attention.ops",
     "ember::cross_attention_ranges": "ember.attention.ops",
     "ember::sink_scale": "ember.attention.ops",
-    # a mixture of experts' layer over its quantized experts
-    "ember::moe_experts": "ember.model.layers.experts",
-    "ember_cpu::moe_experts": "ember.model.layers.experts",
+    "ember_cpu::moe_experts": "ember.kernels",  # a MoE layer over its quantized experts
     "ember::lora_shrink": "ember.lora.ops",
     "ember::lora_expand": "ember.lora.ops",
     "ember_cpu::packed_linear": "ember.kernels",

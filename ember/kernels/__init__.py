@@ -115,7 +115,9 @@ _prebuild_isa: str | None = None
 
 
 def _attention_fake(query: torch.Tensor, *args: object) -> torch.Tensor:
-    return query.new_empty(query.shape)  # contiguous, as the C++ op's `at::zeros(sizes)`
+    """A new contiguous tensor shaped as the first argument: what paged attention (its
+    `at::zeros(sizes)`) and `moe_experts` (its fp32 sum cast back to x's dtype) return."""
+    return query.new_empty(query.shape)
 
 
 def _register_fakes() -> None:
@@ -128,6 +130,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("ember_cpu::group_linear", _group_linear_fake)
     for name in ("paged_attention", "paged_attention_opaque"):
         torch.library.register_fake(f"ember_cpu::{name}", _attention_fake)
+    torch.library.register_fake("ember_cpu::moe_experts", _attention_fake)  # [T, H] as x
     torch.library.register_fake("ember_cpu::apply_token_bitmask", lambda logits, bitmask: None)
     torch.library.register_fake("ember_cpu::row_max", _row_max_fake)
     for name in ("group_pack_codes", "group_pack_blocks"):

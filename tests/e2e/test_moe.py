@@ -1,5 +1,5 @@
 """Mixture-of-experts models with their experts kept quantized (`ember.model.layers.experts`):
-the `ember::moe_experts` op against per-token oracles, MoE GGUF files (Qwen3-MoE, Qwen2-MoE with
+the `ember_cpu::moe_experts` op against per-token oracles, MoE GGUF files (Qwen3-MoE, Qwen2-MoE with
 its shared expert) against HF on the file's own values, `quantization="int8"` / "int4" on an
 HF MoE checkpoint, and one compiled engine."""
 
@@ -80,7 +80,7 @@ def _dequantized_reference(x, index, weights, experts: QuantizedExperts) -> torc
 
 
 def _stacked_args(experts: QuantizedExperts) -> tuple:
-    """`ember::moe_experts`'s arguments after (x, index, weights) for `experts`."""
+    """`ember_cpu::moe_experts`'s arguments after (x, index, weights) for `experts`."""
     gate, up, down = experts.gate, experts.up, experts.down
     up_args = (None, None, None, 0, 0) if up is None else (
         up.codes, up.scales, up.mins, up.out_features, up.bits
@@ -130,7 +130,7 @@ def test_the_op_sums_each_tokens_experts_as_the_per_token_oracle(bits):
     # a product by one step of that group, so compare the whole output's relative error.
     assert ((got.double() - reference).norm() / reference.norm()).item() < 1e-3
     torch.library.opcheck(
-        torch.ops.ember.moe_experts.default,
+        torch.ops.ember_cpu.moe_experts.default,
         (x, index, weights, experts.gate.codes, experts.gate.scales, experts.gate.mins,
          2 * inter, bits, None, None, None, 0, 0, experts.down.codes, experts.down.scales,
          experts.down.mins, hidden, bits, "silu"),
@@ -341,7 +341,7 @@ def test_quantization_reaches_an_hf_moe_checkpoints_experts(moe_file, quantizati
 
 
 def test_a_compiled_moe_gguf_engine_matches_eager_without_recompiles(moe_file):
-    """One compiled MoE engine: each layer's experts one `ember::moe_experts` node (no graph
+    """One compiled MoE engine: each layer's experts one `ember_cpu::moe_experts` node (no graph
     break for the data-dependent routing), mixed prefill/decode batches with chunked prefill,
     no recompiles after warm-up, the eager engine's tokens."""
     path, _ = moe_file("tiny-qwen2-moe", "Q8_0")
@@ -361,7 +361,7 @@ def test_a_compiled_moe_gguf_engine_matches_eager_without_recompiles(moe_file):
         one = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         with torch.profiler.profile() as prof:  # a prefill step and a decode step
             llm.generate([prompts[0]], one, use_tqdm=False)
-        calls = [e for e in prof.events() if e.name == "ember::moe_experts"]
+        calls = [e for e in prof.events() if e.name == "ember_cpu::moe_experts"]
         assert len(calls) == 2 * runner.model.config.num_hidden_layers
     assert got == want
 

@@ -1,7 +1,7 @@
 """Mixture-of-experts layers with their expert weights kept quantized: `QuantizedExperts`
 replaces an HF experts module (transformers' `@use_experts_implementation` modules: Qwen2-MoE,
 Qwen3-MoE, Mixtral, OLMoE, ...), whose router and top-k stay HF's code, and runs all of a
-layer's experts in one op, `ember::moe_experts`, at a custom-op boundary as attention is: a
+layer's experts in one op, `ember_cpu::moe_experts`, at a custom-op boundary as attention is: a
 compiled graph has one node per MoE layer and no graph break for the data-dependent routing.
 
 Each projection's experts are one stacked tensor of `GroupLinear` panels ([E, ...]: GGUF
@@ -10,8 +10,8 @@ groups with offsets for "int4"), so a step reads only the experts its tokens wer
 for each expert hit, its rows (tokens sorted by expert) go through `ember_cpu::group_linear`
 (gate and up as one call where they share a type, the activation, down), and the outputs are
 summed per token, weighted by the router, in expert order as HF's eager loop sums them. The
-op's kernel is C++ (`ember_cpu::moe_experts`, csrc/moe.h), bit for bit `moe_experts_ref`, its
-Python reference. Qwen3-30B-A3B's layer shape (128 experts, 8 a token, hidden 2048, expert
+op is C++ (csrc/moe.h, its shape function in `ember.kernels`), bit for bit `moe_experts_ref`,
+its Python reference. Qwen3-30B-A3B's layer shape (128 experts, 8 a token, hidden 2048, expert
 width 768), one decode token, Intel Xeon (AMX) 2 cores: 0.63 ms a layer in Q4_0 (21 MB of
 experts read: 34 GB/s) and 0.95 ms in Q8_0 (40 MB: 42 GB/s), where the Python reference took
 0.86 and 1.22 and HF's eager bf16 loop 5.4."""
@@ -26,7 +26,6 @@ from torch import nn
 
 from ember import kernels
 from ember.host.memory import weight_zeros
-from ember.kernels.library import define_op
 from ember.model.layers.group import (
     Blocks,
     GroupLinear,
@@ -39,7 +38,7 @@ from ember.model.layers.panels import GROUP_SIZE
 
 logger = logging.getLogger("ember")
 
-# config.hidden_act -> the gate's activation in `ember::moe_experts` (act(gate) * up).
+# config.hidden_act -> the gate's activation in `ember_cpu::moe_experts` (act(gate) * up).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": nn.functional.silu,
     "swish": nn.functional.silu,
@@ -113,44 +112,6 @@ def moe_experts_ref(
     return out.to(x.dtype)
 
 
-def moe_experts_cpu(
-    x: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    gate_codes: torch.Tensor,
-    gate_scales: torch.Tensor,
-    gate_mins: torch.Tensor | None,
-    gate_rows: int,
-    gate_bits: int,
-    up_codes: torch.Tensor | None,
-    up_scales: torch.Tensor | None,
-    up_mins: torch.Tensor | None,
-    up_rows: int,
-    up_bits: int,
-    down_codes: torch.Tensor,
-    down_scales: torch.Tensor,
-    down_mins: torch.Tensor | None,
-    down_rows: int,
-    down_bits: int,
-    activation: str,
-) -> torch.Tensor:
-    """`moe_experts_ref` in ember's kernels (`ember_cpu::moe_experts`, csrc/moe.h): the same
-    sort, calls and sums, without a Python dispatch per op (a decode step of 8 experts makes
-    about 50 op calls a layer)."""
-    return torch.ops.ember_cpu.moe_experts(
-        x, top_k_index, top_k_weights, gate_codes, gate_scales, gate_mins, gate_rows, gate_bits,
-        up_codes, up_scales, up_mins, up_rows, up_bits, down_codes, down_scales, down_mins,
-        down_rows, down_bits, activation,
-    )  # fmt: skip
-
-
-def _moe_experts_fake(x: torch.Tensor, *args: object) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-moe_experts = define_op("moe_experts", moe_experts_cpu, _moe_experts_fake)
-
-
 class StackedPanels(nn.Module):
     """One projection of every expert: E `GroupLinear`s' panels stacked ([E, ...] codes,
     scales and mins), an [out_features, in_features] weight of `bits`-bit codes each."""
@@ -182,12 +143,6 @@ class StackedPanels(nn.Module):
         self.register_buffer("scales", weight_zeros((num_experts, *scales), torch.half))
         mins = weight_zeros((num_experts, *scales), torch.half) if offsets else None
         self.register_buffer("mins", mins)
-
-    @classmethod
-    def nbytes(
-        cls, num_experts: int, n: int, k: int, bits: int, offsets: bool, super_blocks: bool
-    ) -> int:
-        return num_experts * GroupLinear.packed_nbytes(n, k, bits, offsets, super_blocks)
 
     def expert(self, e: int) -> Panels:
         """Expert `e`'s panels (views), for `GroupLinear.from_row_chunks(into=...)`."""
@@ -244,7 +199,7 @@ class QuantizedExperts(nn.Module):
         if kernels.loaded_isa() is None:
             kernels.load()
         gate, up, down = self.gate, self.up, self.down
-        return torch.ops.ember.moe_experts(
+        return torch.ops.ember_cpu.moe_experts(
             hidden_states, top_k_index, top_k_weights,
             gate.codes, gate.scales, gate.mins, gate.out_features, gate.bits,
             None if up is None else up.codes, None if up is None else up.scales,
@@ -253,15 +208,6 @@ class QuantizedExperts(nn.Module):
             down.codes, down.scales, down.mins, down.out_features, down.bits,
             self.activation,
         )  # fmt: skip
-
-    def expert_nbytes(self) -> int:
-        """The bytes one expert's weights take (what a token routed to it reads)."""
-        parts = [p for p in (self.gate, self.up, self.down) if p is not None]
-        return sum(
-            (p.codes.nbytes + p.scales.nbytes + (0 if p.mins is None else p.mins.nbytes))
-            // self.num_experts
-            for p in parts
-        )
 
 
 def hf_experts_activation(module: nn.Module) -> str | None:
