@@ -36,6 +36,13 @@ def _blocks(raw: np.ndarray, rows: int, block_bytes: int) -> torch.Tensor:
 Release = Callable[[np.ndarray], None] | None
 
 
+def panel_layout(qtype: Any) -> tuple[int, bool, bool]:
+    """(bits, offsets, super-blocks) of the panels a quantized GGUF type is packed into: its
+    blocks' own where it is kept (`BLOCK_TYPES`), else 8-bit plain groups."""
+    bits, _ = _converter(qtype)
+    return BLOCK_TYPES.get(qtype.name, (bits, False, False))
+
+
 def _converter(qtype: Any) -> tuple[int, Callable[[np.ndarray], Rows | SuperRows]]:
     """The code width of a quantized GGUF type in a `GroupLinear`, and its rows' converter."""
     name = qtype.name
@@ -236,7 +243,7 @@ def _dense(tensor: Any, qtype: str, data: np.ndarray) -> torch.Tensor:
     """A tensor that is not kept quantized: F32/F16/BF16 as they are (a 2-D one in the load's
     weight arena, see `weights_arena`), anything else dequantized to bf16. `data` is already
     row-processed (Q/K permutation)."""
-    view = _dense_view(tensor, qtype, data)
+    view = _dense_view(qtype, data)
     if view is not None:
         out = weight_zeros(tuple(view.shape), view.dtype) if view.dim() == 2 else None
         return view.clone() if out is None else out.copy_(view)
@@ -247,17 +254,19 @@ def _dense(tensor: Any, qtype: str, data: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(values).reshape(shape).to(torch.bfloat16)
 
 
-def _dense_view(tensor: Any, qtype: str, data: np.ndarray) -> torch.Tensor | None:
+def _dense_view(qtype: str, data: np.ndarray) -> torch.Tensor | None:
     """An F32/F16/BF16 tensor's values as a tensor over `data` (the file's map, read-only:
-    for reading only), without a copy; None for other types."""
+    for reading only), without a copy, shaped as `data` is (BF16's rows of bytes as rows of
+    values; a tensor processor's reshape kept: Qwen2-MoE's shared-expert gate [1, H]); None
+    for other types."""
     dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(qtype)
     if dtype is None:
         return None
-    shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the fastest dim first
-    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    raw = np.ascontiguousarray(data)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-        return torch.from_numpy(raw).view(dtype).reshape(shape)
+        values = torch.from_numpy(raw.reshape(-1).view(np.uint8)).view(dtype)
+    return values.reshape(*raw.shape[:-1], -1) if raw.ndim else values.reshape(())
 
 
 def _permute_rows(processor: Any, name: str, data: np.ndarray) -> np.ndarray:

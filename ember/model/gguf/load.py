@@ -49,20 +49,19 @@ from ember import kernels
 from ember.errors import UnsupportedModelError
 from ember.host.memory import HeapTrimmer, weight_arena
 from ember.model.gguf.convert import (
-    _converter,
     _dense,
     _dense_view,
     _permute_rows,
     _row_chunks,
     fused_group_linear,
     group_linear_from_file,
+    panel_layout,
 )
 from ember.model.gguf.index import _IndexedFile, _save_index
 from ember.model.gguf.names import weights_map
 from ember.model.gguf.reader import DENSE_TYPES, _architecture, _reader
 from ember.model.layers.experts import QuantizedExperts, StackedPanels, hf_experts_activation
 from ember.model.layers.group import (
-    BLOCK_TYPES,
     GroupEmbedding,
     GroupLinear,
 )
@@ -99,8 +98,7 @@ def weights_arena(path: str) -> Iterator[None]:
             or tensor.shape[0] % GROUP_SIZE
         ):
             continue
-        bits, _ = _converter(qtype)
-        _, offsets, super_blocks = BLOCK_TYPES.get(qtype.name, (bits, False, False))
+        bits, offsets, super_blocks = panel_layout(qtype)
         n, k = int(tensor.shape[1]), int(tensor.shape[0])
         packed += experts * GroupLinear.packed_nbytes(n, k, bits, offsets, super_blocks)
     # Room for fused groups' and alignment's slack; only `packed` is faulted in ahead.
@@ -252,9 +250,7 @@ class _Placer:
         )
 
         def stacked(tensors: list[Any]) -> StackedPanels:
-            qtype = tensors[0].tensor_type
-            bits, _ = _converter(qtype)
-            _, offsets, super_blocks = BLOCK_TYPES.get(qtype.name, (bits, False, False))
+            bits, offsets, super_blocks = panel_layout(tensors[0].tensor_type)
             rows = sum(int(t.shape[1]) for t in tensors)
             stack = StackedPanels(num_experts, rows, int(tensors[0].shape[0]), bits, offsets,
                                   super_blocks)  # fmt: skip
@@ -274,10 +270,7 @@ class _Placer:
     def place_dense(self, module: nn.Module, attr: str, tensor: Any, hf_name: str) -> None:
         """`tensor` set as it is (`_dense`), its file pages dropped."""
         data = _permute_rows(self.processor, tensor.name, tensor.data)
-        value = _dense(tensor, tensor.tensor_type.name, data)
-        if data.dtype != np.uint8 and value.shape != data.shape and value.numel() == data.size:
-            value = value.reshape(data.shape)  # reshaped by the processor (Qwen2-MoE's [1, H])
-        _set_tensor(module, attr, value, hf_name)
+        _set_tensor(module, attr, _dense(tensor, tensor.tensor_type.name, data), hf_name)
         del data
         self.reader.drop_pages(tensor.data)
         self.heap.freed(tensor.n_bytes)
@@ -388,7 +381,7 @@ def _packed_linear(
         data, order = tensor.data, _row_order(processor, tensor.name, int(tensor.shape[1]))
         if order is False:  # not a permutation: the processor's own copy
             data, order = _permute_rows(processor, tensor.name, data), None
-        view = _dense_view(tensor, tensor.tensor_type.name, data)
+        view = _dense_view(tensor.tensor_type.name, data)
         assert view is not None
         parts.append((view, bias))
         orders.append(order)
