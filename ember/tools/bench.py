@@ -315,7 +315,7 @@ def decode_bytes_per_token(model: torch.nn.Module) -> int:
     module = model.get_input_embeddings()  # type: ignore[operator]
     embed = module.weight
     unique = {t.data_ptr(): t for t in model.state_dict().values()}  # params + saved buffers
-    total = sum(t.numel() * t.element_size() for t in unique.values())
+    total = sum(t.numel() * t.element_size() for t in unique.values()) - _idle_expert_bytes(model)
     head = model.get_output_embeddings()  # type: ignore[operator]
     tied = head is not None and head.weight.data_ptr() == embed.data_ptr()
     if tied:
@@ -323,8 +323,7 @@ def decode_bytes_per_token(model: torch.nn.Module) -> int:
     table = {
         t.data_ptr(): t for t in module.state_dict().values()
     }  # a quantized table's scales too
-    total -= sum(t.numel() * t.element_size() for t in table.values())
-    return total - _idle_expert_bytes(model)
+    return total - sum(t.numel() * t.element_size() for t in table.values())
 
 
 def _idle_expert_bytes(model: torch.nn.Module) -> int:
