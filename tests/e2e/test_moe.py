@@ -35,26 +35,33 @@ def _expert_linears(stack: StackedPanels) -> list[GroupLinear]:
     return [stack.linear(e) for e in range(stack.num_experts)]
 
 
-def _oracle(x, index, weights, experts: QuantizedExperts) -> torch.Tensor:
-    """Token by token, slot by slot: each routed expert as its own `GroupLinear`s (views of
-    the stacked panels), summed in fp64 in slot order; ids outside [0, E) add nothing. One
-    row at a time takes the kernels' GEMV path where the op's rows per expert may take the
-    GEMM one, and the hidden activation is re-quantized from either's fp32 sums: agreement
-    to 1e-4 of the output's scale, not bits."""
-    gate, down = _expert_linears(experts.gate), _expert_linears(experts.down)
-    up = None if experts.up is None else _expert_linears(experts.up)
-    act = ACTIVATIONS[experts.activation]
+def _slot_sum(x, index, weights, num_experts: int, expert_out) -> torch.Tensor:
+    """Token by token, slot by slot in fp64: sum of weights[t, slot] * expert_out(e, x[t:t+1])
+    (a [1, H] row) for e = index[t, slot]; ids outside [0, E) add nothing."""
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for slot in range(index.shape[1]):
             e = int(index[t, slot])
-            if not 0 <= e < experts.num_experts:
-                continue
-            xt = x[t : t + 1]
-            h = gate[e](xt)
-            g, u = h.chunk(2, dim=-1) if up is None else (h, up[e](xt))
-            out[t] += weights[t, slot].double() * down[e](act(g) * u)[0].double()
+            if 0 <= e < num_experts:
+                out[t] += weights[t, slot].double() * expert_out(e, x[t : t + 1])[0].double()
     return out
+
+
+def _oracle(x, index, weights, experts: QuantizedExperts) -> torch.Tensor:
+    """Each routed expert as its own `GroupLinear`s (views of the stacked panels), summed in
+    slot order (`_slot_sum`). One row at a time takes the kernels' GEMV path where the op's
+    rows per expert may take the GEMM one, and the hidden activation is re-quantized from
+    either's fp32 sums: agreement to 1e-4 of the output's scale, not bits."""
+    gate, down = _expert_linears(experts.gate), _expert_linears(experts.down)
+    up = None if experts.up is None else _expert_linears(experts.up)
+    act = ACTIVATIONS[experts.activation]
+
+    def expert_out(e: int, xt: torch.Tensor) -> torch.Tensor:
+        h = gate[e](xt)
+        g, u = h.chunk(2, dim=-1) if up is None else (h, up[e](xt))
+        return down[e](act(g) * u)
+
+    return _slot_sum(x, index, weights, experts.num_experts, expert_out)
 
 
 def _dequantized_reference(x, index, weights, experts: QuantizedExperts) -> torch.Tensor:
@@ -62,21 +69,15 @@ def _dequantized_reference(x, index, weights, experts: QuantizedExperts) -> torc
     quantized as the kernels quantize them (int8 per group of 32), in fp64."""
     rows = lambda s, e: s.linear(e).rows(torch.arange(s.out_features)).double()  # noqa: E731
     act = ACTIVATIONS[experts.activation]
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for slot in range(index.shape[1]):
-            e = int(index[t, slot])
-            if not 0 <= e < experts.num_experts:
-                continue
-            xt = group_quantized_x(x[t : t + 1]).double()
-            h = xt @ rows(experts.gate, e).t()
-            if experts.up is None:
-                g, u = h.chunk(2, dim=-1)
-            else:
-                g, u = h, xt @ rows(experts.up, e).t()
-            mid = group_quantized_x(act(g.float()) * u.float()).double()
-            out[t] += weights[t, slot].double() * (mid @ rows(experts.down, e).t())[0]
-    return out
+
+    def expert_out(e: int, xt: torch.Tensor) -> torch.Tensor:
+        xq = group_quantized_x(xt).double()
+        h = xq @ rows(experts.gate, e).t()
+        g, u = h.chunk(2, dim=-1) if experts.up is None else (h, xq @ rows(experts.up, e).t())
+        mid = group_quantized_x(act(g.float()) * u.float()).double()
+        return mid @ rows(experts.down, e).t()
+
+    return _slot_sum(x, index, weights, experts.num_experts, expert_out)
 
 
 def _stacked_args(experts: QuantizedExperts) -> tuple:
