@@ -493,7 +493,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 # `ember serve`'s per-request limits: `ServeLimits`' fields (max_n defaults to max_num_seqs).
 _LIMIT_FLAGS = ("max_n", "max_request_bytes", "max_prompts", "max_stop_strings",
-                "max_stop_string_chars", "max_tools", "max_schema_bytes")  # fmt: skip
+                "max_stop_string_chars", "max_tools", "max_schema_bytes", "max_stored_responses",
+                "max_stored_response_bytes", "stored_response_ttl_s")  # fmt: skip
 
 
 def _add_serve_limits(srv: argparse.ArgumentParser) -> None:
@@ -511,6 +512,12 @@ def _add_serve_limits(srv: argparse.ArgumentParser) -> None:
         "max_tools": f"tools per chat request (default {limits.MAX_TOOLS})",
         "max_schema_bytes": "bytes of each of tools, response_format and structured outputs "
         f"as JSON (default {limits.MAX_SCHEMA_BYTES})",
+        "max_stored_responses": "stored /v1/responses answers, for previous_response_id "
+        f"(default {limits.MAX_STORED_RESPONSES}; the least recently used go first)",
+        "max_stored_response_bytes": "bytes of the stored answers and their conversations as "
+        f"JSON (default {limits.MAX_STORED_RESPONSE_BYTES})",
+        "stored_response_ttl_s": "seconds a stored answer is kept (default "
+        f"{limits.STORED_RESPONSE_TTL_S})",
     }
     for field in _LIMIT_FLAGS:
         group.add_argument("--" + field.replace("_", "-"), type=int, default=None,

@@ -22,6 +22,11 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_TOKEN_ID_LIST = 4096  # stop_token_ids
 MAX_TOOLS = 128
 MAX_SCHEMA_BYTES = 256 << 10  # tools, response_format, structured outputs: as JSON
+# Stored Responses API answers (`store`, for `previous_response_id`): how many, their bytes as
+# JSON (with the conversation each ends) and how long each is kept.
+MAX_STORED_RESPONSES = 1024
+MAX_STORED_RESPONSE_BYTES = 256 << 20
+STORED_RESPONSE_TTL_S = 3600
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,9 @@ class ServeLimits:
     max_token_id_list: int = MAX_TOKEN_ID_LIST
     max_tools: int = MAX_TOOLS
     max_schema_bytes: int = MAX_SCHEMA_BYTES
+    max_stored_responses: int = MAX_STORED_RESPONSES
+    max_stored_response_bytes: int = MAX_STORED_RESPONSE_BYTES
+    stored_response_ttl_s: int = STORED_RESPONSE_TTL_S
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

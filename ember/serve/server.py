@@ -2,13 +2,16 @@
 
 Endpoints: `/health` (no auth), `/metrics` (Prometheus, `ember.serve.metrics`), `/v1/models`,
 `/v1/completions` and `/v1/chat/completions` (streaming as server-sent events, `usage`
-counts), `/v1/embeddings`; LoRA adapters are served as models of their own names. Request
-fields are OpenAI's plus vLLM's sampling extras (top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, ...). Bad requests get OpenAI-style JSON errors: 400
-for values the engine rejects, 422 for a body that fails validation, 404 for an unknown
-model, 401 without the API key (`--api-key` or `EMBER_API_KEY`, as `Authorization: Bearer
-<key>`); none of them disturbs other requests. A client that disconnects mid-stream has its
-request aborted (its KV blocks freed).
+counts), `/v1/embeddings`, OpenAI's Responses API (`/v1/responses`, `ember.serve.responses`)
+and Anthropic's Messages API (`/v1/messages`, `ember.serve.anthropic`); LoRA adapters are
+served as models of their own names. Request fields are OpenAI's plus vLLM's sampling extras
+(top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...). Bad requests
+get JSON errors in each API's shape (OpenAI's, Anthropic's under `/v1/messages`): 400 for
+values the engine rejects, 422 for a body that fails validation (400 on the Responses and
+Messages routes, as those APIs answer), 404 for an unknown model, 401 without the API key
+(`--api-key` or `EMBER_API_KEY`, as `Authorization: Bearer <key>` or `x-api-key: <key>`);
+none of them disturbs other requests. A client that disconnects mid-stream has its request
+aborted (its KV blocks freed).
 
 This module owns the app: its routes (one function per group) and how a request's engine
 streams become an answer. The wire format is `ember.serve.protocol`'s; the choices in an
@@ -43,8 +46,9 @@ from ember.runtime.llm import render_chat
 from ember.runtime.outputs import RequestOutput
 from ember.runtime.request import SamplingParams
 from ember.runtime.structured import StructuredOutputsParams
+from ember.serve import anthropic, responses
 from ember.serve.async_engine import AsyncLLMEngine
-from ember.serve.chat_outputs import ChatTools
+from ember.serve.chat_outputs import ChatStream, ChatTools
 from ember.serve.choices import ChoiceBuilder, Chunk, usage
 from ember.serve.limits import ServeLimits
 from ember.serve.protocol import (
@@ -80,13 +84,16 @@ class _Server:
     defaults: dict[str, Any]  # the engine's default sampling (the generation config's)
     created: int  # when the app was built: the models' and answers' `created`
     limits: ServeLimits
+    stored: responses.ResponseStore  # the Responses API's stored answers
     draining: bool = False  # shutting down: new requests get 503
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.engine.tokenizer
 
-    def check_model(self, name: str | None) -> JSONResponse | LoRARequest | None:
+    def check_model(
+        self, name: str | None, api: str = "openai"
+    ) -> JSONResponse | LoRARequest | None:
         """None for the base model, the adapter of a LoRA name, or a 404 response."""
         if name is None or name == self.model_name:
             return None
@@ -94,7 +101,7 @@ class _Server:
             return self.loras[name]
         names = [self.model_name, *self.loras]
         return _error(404, f"model {name!r} does not exist (this server has {names})",
-                      "NotFoundError")  # fmt: skip
+                      "NotFoundError", api)  # fmt: skip
 
     def render(self, body: ChatRequest | TokenizeRequest, messages: list[dict[str, Any]]) -> Any:
         """`messages` through the chat template (the request's, else the server's)."""
@@ -128,6 +135,8 @@ def build_app(
         engine, model_name, dict(loras or {}), chat_template,
         chat_tools if chat_tools is not None else ChatTools(tokenizer),
         engine.engine.default_sampling, int(time.time()), limits,
+        responses.ResponseStore(limits.max_stored_responses, limits.max_stored_response_bytes,
+                                limits.stored_response_ttl_s),
     )  # fmt: skip
     app = FastAPI(title="ember", docs_url=None, redoc_url=None)
     app.state.server = server
@@ -138,6 +147,8 @@ def build_app(
     _add_embedding_route(app, server)
     _add_token_routes(app, server)
     _add_completion_routes(app, server)
+    _add_responses_routes(app, server)
+    _add_messages_routes(app, server)
     return app
 
 
@@ -157,11 +168,25 @@ _ERROR_TYPES = {
 RETRY_AFTER_S = 1
 
 
-def _error(status: int, message: str, kind: str | None = None) -> JSONResponse:
+def _error(status: int, message: str, kind: str | None = None, api: str = "openai") -> JSONResponse:
+    """An error response in `api`'s shape: OpenAI's, or "anthropic"'s."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    if api == "anthropic":
+        return JSONResponse(anthropic.error_body(status, message), status_code=status,
+                            headers=headers)  # fmt: skip
     kind = kind or _ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "Error")
     body = ErrorResponse(error=ErrorInfo(message=message, type=kind, code=status))
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def _api_of(path: str) -> str:
+    """Whose error shape a path answers in (an app mounted under a prefix included)."""
+    return "anthropic" if "/v1/messages" in path else "openai"
+
+
+def _strict_400(path: str) -> bool:
+    """Routes whose API answers a body that fails validation with 400, not 422."""
+    return "/v1/messages" in path or "/v1/responses" in path
 
 
 def _add_checks(app: FastAPI, api_key: str | None, server: _Server) -> None:
@@ -172,32 +197,37 @@ def _add_checks(app: FastAPI, api_key: str | None, server: _Server) -> None:
 
     @app.middleware("http")
     async def check_request(request: Request, call_next: Any) -> Any:
+        api = _api_of(request.url.path)
         if server.draining:
-            return _error(503, "the server is shutting down")
+            return _error(503, "the server is shutting down", api=api)
         if api_key is not None and request.url.path not in ("/", "/health"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return _error(401, "invalid or missing API key", "AuthenticationError")
+            bearer = request.headers.get("authorization") == f"Bearer {api_key}"
+            if not bearer and request.headers.get("x-api-key") != api_key:
+                return _error(401, "invalid or missing API key", "AuthenticationError", api)
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
-            for e in exc.errors()
+            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
         )
+        path = request.url.path
+        if _strict_400(path):
+            return _error(400, f"invalid request body: {errors}", api=_api_of(path))
         return _error(422, f"invalid request body: {errors}", "UnprocessableEntityError")
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail))
+        return _error(exc.status_code, str(exc.detail), api=_api_of(request.url.path))
 
     @app.exception_handler(EngineOverloadedError)
     async def overloaded(request: Request, exc: EngineOverloadedError) -> JSONResponse:
-        return _error(503, str(exc))
+        return _error(503, str(exc), api=_api_of(request.url.path))
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        return _error(500, message, api=_api_of(request.url.path))
 
 
 class _BodyCheck:
@@ -214,12 +244,14 @@ class _BodyCheck:
         headers = dict(scope["headers"])
         kind = headers.get(b"content-type", b"").decode("latin-1")
         length = headers.get(b"content-length", b"").decode("latin-1")
+        api = _api_of(scope.get("path", ""))
         refused = None
         if kind and "json" not in kind.lower():
-            refused = _error(415, f"Content-Type must be application/json, got {kind[:80]!r}")
+            refused = _error(415, f"Content-Type must be application/json, got {kind[:80]!r}",
+                             api=api)  # fmt: skip
         elif length.isdigit() and int(length) > self.max_bytes:
             refused = _error(413, f"the request body is {length} bytes; at most "
-                                  f"{self.max_bytes} are taken")  # fmt: skip
+                                  f"{self.max_bytes} are taken", api=api)  # fmt: skip
         if refused is not None:
             await refused(scope, receive, send)
             return
@@ -232,9 +264,9 @@ class _BodyCheck:
             size += len(chunks[-1])
             more = message.get("more_body", False)
             if size > self.max_bytes:
-                await _error(413, f"the request body is over {self.max_bytes} bytes")(
-                    scope, receive, send
-                )
+                too_large = _error(413, f"the request body is over {self.max_bytes} bytes",
+                                   api=api)  # fmt: skip
+                await too_large(scope, receive, send)
                 return
         body, replayed = b"".join(chunks), False
 
@@ -440,9 +472,10 @@ async def _respond(
     """Start one engine request per prompt (all validated before any runs), then answer as a
     whole or as an event stream. `chat`: the server's tools and the request's tool mode, for a
     chat completion (None: a text completion)."""
-    streams = await _start(server.engine, rid, prompts, params, lora)
-    if isinstance(streams, JSONResponse):
-        return streams
+    try:
+        streams = await _start(server.engine, rid, prompts, params, lora)
+    except ValueError as e:
+        return _error(400, str(e))
     build = ChoiceBuilder(rid, body.model or server.model_name, server.created, params.n,
                           params.logprobs, chat, server.tokenizer)  # fmt: skip
     echo = bool(getattr(body, "echo", False))
@@ -466,10 +499,10 @@ async def _start(
     prompts: list[Any],
     params: SamplingParams,
     lora: LoRARequest | None,
-) -> _Streams | JSONResponse:
+) -> _Streams:
     """Each prompt's engine stream with its first output (the engine has checked the prompt
-    by then), or a 400 for the first bad prompt, with the streams started before it closed
-    (EngineOverloadedError, a request refused for load, closes them too and goes on up)."""
+    by then). The first bad prompt's ValueError (or EngineOverloadedError, a request refused
+    for load) closes the streams started before it and goes on up."""
     streams: _Streams = []
     try:
         for i, prompt in enumerate(prompts):
@@ -479,9 +512,7 @@ async def _start(
     except BaseException as e:
         for stream, _ in streams:
             await stream.aclose()  # type: ignore[attr-defined]
-        if isinstance(e, ValueError):
-            return _error(400, str(e))
-        raise
+        raise e
     return streams
 
 
@@ -521,6 +552,213 @@ async def _prepend(
             return
     async for out in rest:
         yield out
+
+
+@dataclasses.dataclass
+class _Chat:
+    """One running chat answer of the Responses or Messages API: its engine stream (first
+    output taken) and tool mode."""
+
+    stream: AsyncIterator[RequestOutput]
+    first: RequestOutput | None
+    mode: Any
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.first.prompt_token_ids) if self.first is not None else 0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.first.num_cached_tokens if self.first is not None else 0
+
+
+@dataclasses.dataclass
+class _Ended:
+    """How an answer ended: vLLM's finish and stop reasons, and its generated tokens."""
+
+    finish_reason: str | None
+    stop_reason: int | str | None
+    completion_tokens: int
+
+
+async def _start_chat(server: _Server, rid: str, body: ChatRequest, lora: Any) -> _Chat:
+    """A chat request started as `/v1/chat/completions` starts one (n = 1); ValueError for a
+    bad one."""
+    prompt, params, mode = _chat_request(server, body)
+    if params.n != 1:
+        raise ValueError(f"n must be 1 on this API, got {params.n}")
+    ((stream, first),) = await _start(server.engine, rid, [prompt], params, lora)
+    return _Chat(stream, first, mode)
+
+
+async def _chat_steps(
+    chat: _Chat, answer: ChatStream | None
+) -> AsyncIterator[str | list[dict[str, Any]] | _Ended]:
+    """A running answer step by step: each step's text (`answer` None) or its chat deltas
+    (through `answer`), then how it ended. RuntimeError for a request the engine failed."""
+    completion = 0
+    async for out in _prepend(chat.first, chat.stream):
+        if out.error:
+            raise RuntimeError(f"request failed: {out.error}")
+        for c in out.outputs:
+            completion += len(c.token_ids)
+            final = c.finish_reason is not None
+            if answer is None:
+                yield c.text
+            else:
+                yield answer.feed(c.text, final)
+            if final:
+                yield _Ended(c.finish_reason, c.stop_reason, completion)
+                return
+
+
+async def _whole_chat(server: _Server, chat: _Chat) -> tuple[dict[str, Any], bool, _Ended]:
+    """A whole answer: (`ChatTools.answer`'s message, whether it holds calls, its end)."""
+    pieces: list[str] = []
+    ended = _Ended(None, None, 0)
+    try:
+        async for step in _chat_steps(chat, None):
+            if isinstance(step, _Ended):
+                ended = step
+            else:
+                assert isinstance(step, str)
+                pieces.append(step)
+    finally:
+        await chat.stream.aclose()  # type: ignore[attr-defined]
+    message, called = server.tools.answer(chat.mode, "".join(pieces))
+    return message, called, ended
+
+
+def _add_responses_routes(app: FastAPI, server: _Server) -> None:
+    """OpenAI's Responses API: `/v1/responses`, whole or streamed, and its stored answers."""
+    store = server.stored
+
+    @app.post("/v1/responses")
+    async def create_response(body: responses.ResponsesRequest) -> Any:
+        if isinstance(lora := server.check_model(body.model), JSONResponse):
+            return lora
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            found = store.get(body.previous_response_id)
+            if found is None:
+                why = "is not a stored response (never stored, deleted or expired)"
+                return _error(404, f"previous_response_id {body.previous_response_id!r} {why}")
+            history = found[1]
+        rid = f"resp_{uuid.uuid4().hex}"
+        try:
+            inputs = body.input_messages()
+            chat = await _start_chat(server, rid, body.chat_request(history), lora)
+        except ValueError as e:
+            return _error(400, str(e))
+        head = responses.ResponseHead(rid, int(time.time()), body.model or server.model_name,
+                                      body)  # fmt: skip
+        conversation = history + inputs
+
+        def keep(response: dict[str, Any]) -> None:
+            if body.store and response["status"] != "failed":
+                store.put(response, conversation + responses.history_of(response["output"]))
+
+        if body.stream:
+            events = _response_events(server, chat, head, keep)
+            return StreamingResponse(events, media_type="text/event-stream")
+        message, _, ended = await _whole_chat(server, chat)
+        counts = (chat.prompt_tokens, ended.completion_tokens, chat.cached_tokens)
+        response = responses.whole_response(head, message, ended.finish_reason, counts)
+        keep(response)
+        return response
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Any:
+        found = store.get(response_id)
+        if found is None:
+            return _error(404, f"response {response_id!r} is not stored")
+        return found[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Any:
+        if not store.delete(response_id):
+            return _error(404, f"response {response_id!r} is not stored")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+async def _response_events(
+    server: _Server, chat: _Chat, head: responses.ResponseHead, keep: Any
+) -> AsyncIterator[str]:
+    events = responses.ResponseEvents(head)
+    try:
+        for event in events.start():
+            yield event
+        async for step in _chat_steps(chat, server.tools.stream(chat.mode)):
+            if isinstance(step, _Ended):
+                counts = (chat.prompt_tokens, step.completion_tokens, chat.cached_tokens)
+                closing, response = events.finish(step.finish_reason, counts)
+                keep(response)
+                for event in closing:
+                    yield event
+            else:
+                for event in events.feed(step):  # type: ignore[arg-type]
+                    yield event
+    except RuntimeError as e:
+        for event in events.failed(str(e)):
+            yield event
+    finally:  # a client gone mid-stream: the request is aborted
+        await chat.stream.aclose()  # type: ignore[attr-defined]
+
+
+def _add_messages_routes(app: FastAPI, server: _Server) -> None:
+    """Anthropic's Messages API: `/v1/messages`, whole or streamed, and its token count."""
+
+    @app.post("/v1/messages")
+    async def create_message(body: anthropic.MessagesRequest) -> Any:
+        if isinstance(lora := server.check_model(body.model, "anthropic"), JSONResponse):
+            return lora
+        mid = f"msg_{uuid.uuid4().hex}"
+        try:
+            chat = await _start_chat(server, mid, body.chat_request(), lora)
+        except ValueError as e:
+            return _error(400, str(e), api="anthropic")
+        model = body.model or server.model_name
+        if body.stream:
+            events = _message_events(server, chat, anthropic.MessageEvents(mid, model))
+            return StreamingResponse(events, media_type="text/event-stream")
+        message, called, ended = await _whole_chat(server, chat)
+        counts = (chat.prompt_tokens, ended.completion_tokens, chat.cached_tokens)
+        return anthropic.whole_message(mid, model, message, called, ended.finish_reason,
+                                       ended.stop_reason, counts)  # fmt: skip
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: anthropic.CountTokensRequest) -> Any:
+        if isinstance(bad := server.check_model(body.model, "anthropic"), JSONResponse):
+            return bad
+        try:
+            chat = body.chat_request()
+            server.limits.check(chat)
+            ids = server.render(chat, chat.messages)["prompt_token_ids"]
+        except ValueError as e:
+            return _error(400, str(e), api="anthropic")
+        return {"input_tokens": len(ids)}
+
+
+async def _message_events(
+    server: _Server, chat: _Chat, events: anthropic.MessageEvents
+) -> AsyncIterator[str]:
+    answer = server.tools.stream(chat.mode)
+    try:
+        for event in events.start(chat.prompt_tokens, chat.cached_tokens):
+            yield event
+        async for step in _chat_steps(chat, answer):
+            if isinstance(step, _Ended):
+                closing = events.finish(answer.called, step.finish_reason, step.stop_reason,
+                                        step.completion_tokens)  # fmt: skip
+                for event in closing:
+                    yield event
+            else:
+                for event in events.feed(step):  # type: ignore[arg-type]
+                    yield event
+    except RuntimeError as e:
+        yield anthropic.sse("error", anthropic.error_body(500, str(e)))
+    finally:  # a client gone mid-stream: the request is aborted
+        await chat.stream.aclose()  # type: ignore[attr-defined]
 
 
 def parse_lora_modules(specs: list[str] | None) -> dict[str, LoRARequest]:
