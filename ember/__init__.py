@@ -17,17 +17,23 @@ if TYPE_CHECKING:
     from ember.runtime.engine import LLMEngine
     from ember.runtime.llm import LLM
     from ember.runtime.outputs import (
+        ClassificationOutput,
+        ClassificationRequestOutput,
         CompletionOutput,
         EmbeddingOutput,
         EmbeddingRequestOutput,
         Logprob,
         RequestOutput,
+        ScoringOutput,
+        ScoringRequestOutput,
     )
     from ember.runtime.request import RequestOutputKind, SamplingParams
     from ember.runtime.structured import GuidedDecodingParams, StructuredOutputsParams
 
 _EXPORTS = {
     "LLM": "ember.runtime.llm",
+    "ClassificationOutput": "ember.runtime.outputs",
+    "ClassificationRequestOutput": "ember.runtime.outputs",
     "CompletionOutput": "ember.runtime.outputs",
     "EmbeddingOutput": "ember.runtime.outputs",
     "EmbeddingRequestOutput": "ember.runtime.outputs",
@@ -40,11 +46,15 @@ _EXPORTS = {
     "RequestOutput": "ember.runtime.outputs",
     "RequestOutputKind": "ember.runtime.request",
     "SamplingParams": "ember.runtime.request",
+    "ScoringOutput": "ember.runtime.outputs",
+    "ScoringRequestOutput": "ember.runtime.outputs",
     "StructuredOutputsParams": "ember.runtime.structured",
 }
 
 __all__ = [
     "LLM",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
@@ -57,6 +67,8 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "StructuredOutputsParams",
     "__version__",
 ]

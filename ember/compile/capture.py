@@ -31,6 +31,7 @@ from ember.model.forwards import (
     capture_vision_forward,
 )
 from ember.model.loader import LoadedModel
+from ember.model.spec import POOLED_TASKS
 
 logger = logging.getLogger("ember")
 
@@ -86,7 +87,7 @@ def build_forwards(
     if compile and regions:
         apply_regions(model)
     vision = text = None
-    if task == "embed":
+    if task in POOLED_TASKS:
         step = capture_hidden_forward(model, task)
     elif loaded.spec.multimodal is not None:
         step = capture_cross_attention_lm_forward(model)
@@ -104,7 +105,7 @@ def build_forwards(
         vision = CompiledForward(vision, (), freezing, static=True) if vision else None
         if text is not None:
             text = CompiledForward(text, buckets, freezing, token_hint=token_hint)
-    hidden = step if task == "embed" else capture_hidden_forward(model, task)
+    hidden = step if task in POOLED_TASKS else capture_hidden_forward(model, task)
     return Forwards(step, hidden, encoder, vision, text)
 
 

@@ -138,14 +138,42 @@ def capture_cross_attention_lm_forward(
     return forward
 
 
+# A pooled request's token type ids (a cross-encoder's segment of each token: 0 for the query,
+# 1 for the document) ride in the high bits of its input ids (as vLLM carries them), so the
+# step's graphs keep their one signature.
+TOKEN_TYPE_SHIFT = 32
+
+
+def with_token_types(ids: list[int], types: list[int] | None) -> list[int]:
+    if not types:
+        return ids
+    return [i | (t << TOKEN_TYPE_SHIFT) for i, t in zip(ids, types, strict=True)]
+
+
+def position_offset(model: Any) -> int:
+    """Where an encoder's position ids start: RoBERTa-style embeddings (XLM-R, CamemBERT,
+    MPNet, ...) number an unpadded sequence from `padding_idx + 1`, as HF's forward does when
+    given no position ids; others from 0."""
+    embeddings = getattr(model, "embeddings", None)
+    padding_idx = getattr(embeddings, "padding_idx", None)
+    if padding_idx is None or not hasattr(embeddings, "create_position_ids_from_input_ids"):
+        return 0
+    return int(padding_idx) + 1
+
+
 def capture_hidden_forward(model: PreTrainedModel, task: str) -> Callable[..., Any]:
     """The forward for pooling: same arguments as `capture_forward`'s, returns the last hidden
-    states [num_tokens, hidden] (after the final norm) of the encoder or the causal LM's base
-    model. `logits_indices` is unused (pooling needs every row)."""
-    base = model.get_decoder() if task == "generate" else model
+    states [num_tokens, hidden] (after the final norm) of the encoder, a classifier's base
+    model or the causal LM's base model. `logits_indices` is unused (pooling needs every row).
+    Token type ids come from the input ids' high bits (`with_token_types`)."""
+    if task == "generate":
+        base = model.get_decoder()
+    else:
+        base = model.base_model if task == "classify" else model
     extra: dict[str, Any] = {}
     if "token_type_ids" in inspect.signature(base.forward).parameters:
         extra["token_type_ids"] = 0
+    offset = position_offset(base) if task != "generate" else 0
 
     def forward(
         input_ids: torch.Tensor,
@@ -154,10 +182,13 @@ def capture_hidden_forward(model: PreTrainedModel, task: str) -> Callable[..., A
         attn_metadata: Any,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
-        types = {k: torch.zeros_like(input_ids)[None] for k in extra}
+        types = {}
+        if extra:
+            types["token_type_ids"] = (input_ids >> TOKEN_TYPE_SHIFT)[None]
+            input_ids = input_ids & ((1 << TOKEN_TYPE_SHIFT) - 1)
         out = base(
             input_ids=input_ids[None],
-            position_ids=positions[None],
+            position_ids=(positions + offset)[None],
             use_cache=False,
             attn_metadata=attn_metadata,
             kv_caches=kv_caches,

@@ -200,7 +200,7 @@ def _rewrite_linears(
     if quantization == "int8":
         kernels.load(cpu_isa)
         # An embedding model's steps are whole texts: int8 GEMMs on per-token scales.
-        per_token = task == "embed"
+        per_token = task in ("embed", "classify")
         quantize_int8_(model, consumed, quantize_activations, per_token)
         quantize_experts_(model, 8, consumed)  # MoE experts: 8-bit groups of 32 (Q8_0's)
     elif quantization == "int4":

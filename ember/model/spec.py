@@ -16,12 +16,15 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
     PretrainedConfig,
 )
+from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
     MODEL_MAPPING_NAMES,
 )
 
@@ -34,13 +37,17 @@ from ember.model.architectures import (
     require_checked,
 )
 
-# "generate" (causal LM), "encdec" (encoder-decoder LM) or "embed" (encoder-only model).
-TASKS = ("generate", "encdec", "embed")
+# "generate" (causal LM), "encdec" (encoder-decoder LM), "embed" (encoder-only model) or
+# "classify" (a sequence classifier: a cross-encoder reranker, or a causal LM with a score head).
+TASKS = ("generate", "encdec", "embed", "classify")
 _AUTO_CLASSES: dict[str, Any] = {
     "generate": AutoModelForCausalLM,
     "encdec": AutoModelForSeq2SeqLM,
     "embed": AutoModel,
+    "classify": AutoModelForSequenceClassification,
 }
+# Tasks whose requests are pooled (one whole prompt per step, no sampling).
+POOLED_TASKS = ("embed", "classify")
 
 
 # model_types of the vision-language models ember serves (task "generate", images through
@@ -80,6 +87,15 @@ class ModelSpec:
         return _AUTO_CLASSES[self.task]
 
     @property
+    def causal_classifier(self) -> bool:
+        """A sequence classifier over a causal LM (`LlamaForSequenceClassification`): causal
+        attention, the last token pooled; else (BERT-style cross-encoders) bidirectional."""
+        if self.task != "classify":
+            return False
+        model_cls = _AUTO_CLASSES["classify"]._model_mapping[type(self.hf_config)]
+        return issubclass(model_cls, GenericForSequenceClassification)
+
+    @property
     def text_config(self) -> PretrainedConfig:
         """The language model's config (the whole config for text-only models)."""
         return self.hf_config.get_text_config()
@@ -100,7 +116,8 @@ class ModelSpec:
             activation_dtype=activation_dtype,
             sliding_window=sliding,
             softcap=bool(getattr(config, "attn_logit_softcapping", None)),
-            bidirectional=self.task in ("embed", "encdec"),
+            bidirectional=self.task in ("embed", "encdec")
+            or (self.task == "classify" and not self.causal_classifier),
             cross_attention=self.task == "encdec" or self.multimodal is not None,
             kv_sharing=bool(getattr(config, "num_kv_shared_layers", 0)),
             sinks=self.hf_config.model_type in ATTENTION_SINKS,
@@ -132,7 +149,8 @@ def read_model_spec(model_dir: str) -> ModelSpec:
         task=task,
         architecture=(getattr(config, "architectures", None) or [config.model_type])[0],
         checkpoint_dtype=dtype if isinstance(dtype, torch.dtype) else None,
-        max_positions=getattr(text, "max_position_embeddings", None) or 1 << 16,
+        max_positions=(getattr(text, "max_position_embeddings", None) or 1 << 16)
+        - _position_offset(config, task),
         num_kv_layers=num_layers,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -223,15 +241,33 @@ def load_hf_config(model_dir: str) -> PretrainedConfig:
         ) from e
 
 
+def _position_offset(config: PretrainedConfig, task: str) -> int:
+    """Positions a pooled encoder's embeddings skip (RoBERTa-style: `pad_token_id + 1`; see
+    `ember.model.forwards.position_offset`), which its max_position_embeddings include."""
+    if task not in POOLED_TASKS:
+        return 0
+    model_cls = _AUTO_CLASSES[task]._model_mapping[type(config)]
+    module = vars(sys.modules[model_cls.__module__])
+    roberta_style = any(
+        hasattr(obj, "create_position_ids_from_input_ids")
+        for obj in module.values()
+        if isinstance(obj, type)
+    )
+    pad = getattr(config, "pad_token_id", None)
+    return int(pad) + 1 if roberta_style and pad is not None else 0
+
+
 def model_task(config: PretrainedConfig) -> str:
     """ "generate" for a causal LM, "encdec" for an encoder-decoder LM (`BartForConditional
-    Generation`), "embed" for an encoder-only base model (`BertModel`); raises naming the
-    architecture for anything else."""
+    Generation`), "embed" for an encoder-only base model (`BertModel`), "classify" for a
+    sequence classifier (`BertForSequenceClassification`, `Qwen2ForSequenceClassification`);
+    raises naming the architecture for anything else."""
     declared = getattr(config, "architectures", None)
     arch = (declared or [config.model_type])[0]
     causal_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
     base_name = MODEL_MAPPING_NAMES.get(config.model_type)
     seq2seq_name = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    classify_name = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(config.model_type)
     vlm_name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type)
     if config.model_type in MULTIMODAL_MODEL_TYPES and declared and vlm_name in declared:
         model_cls = AutoModelForImageTextToText._model_mapping[type(config)]
@@ -254,6 +290,8 @@ def model_task(config: PretrainedConfig) -> str:
                 "in one KV cache and needs them equal"
             )
         task = "encdec"
+    elif classify_name is not None and declared and classify_name in declared:
+        task = "classify"
     elif causal_name is not None and (not declared or causal_name in declared):
         task = "generate"
     elif base_name is not None and declared and base_name in declared:
@@ -263,9 +301,11 @@ def model_task(config: PretrainedConfig) -> str:
             f"architecture {arch!r} (model_type {config.model_type!r}) is neither a causal LM "
             "nor an encoder base model that ember can capture"
         )
-    if task == "generate":
-        refuse_known(config)  # a reason of its own comes before the routing check
     model_cls = _AUTO_CLASSES[task]._model_mapping[type(config)]
+    # A causal LM's classifier runs the same layers as the LM: the same tables decide it.
+    lm_layers = task == "generate" or issubclass(model_cls, GenericForSequenceClassification)
+    if lm_layers:
+        refuse_known(config)  # a reason of its own comes before the routing check
     # HF flags models tested with custom attention functions; BART-family models do not carry
     # the flag but dispatch every attention call through the same registry.
     routes = "ALL_ATTENTION_FUNCTIONS" in vars(sys.modules[model_cls.__module__])
@@ -274,7 +314,7 @@ def model_task(config: PretrainedConfig) -> str:
             f"architecture {arch!r} does not route attention through transformers' attention "
             "interface, so ember cannot capture it"
         )
-    if task == "generate":
+    if lm_layers:
         require_checked(config)
     return task
 

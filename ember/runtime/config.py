@@ -28,6 +28,7 @@ from ember.model.gguf.reader import has_quantized_weights
 from ember.model.layers.rewrite import QUANTIZATIONS
 from ember.model.spec import (
     LOAD_FORMATS,
+    POOLED_TASKS,
     ModelSpec,
     check_weights_format,
     read_model_spec,
@@ -265,7 +266,7 @@ class EngineArgs:
     def _max_model_len(self, spec: ModelSpec) -> int:
         """`max_model_len`, checked against the model's positions (None: all of them)."""
         max_positions = spec.max_positions
-        if spec.task == "embed":
+        if spec.task in POOLED_TASKS:
             # sentence-transformers' own input limit, when it ships one (all-MiniLM-L6-v2: 256).
             max_positions = min(max_positions, max_seq_length(self.model) or max_positions)
         max_model_len = self.max_model_len
@@ -289,7 +290,7 @@ class EngineArgs:
         # "auto": as narrow as the weights where steps decode, int8 where they are quantized
         # (`resolve_kv_cache_dtype` says why); an encoder-only model attends each input once,
         # so its cache is only a staging area: kept in the math's dtype.
-        if spec.task == "embed":
+        if spec.task in POOLED_TASKS:
             narrow = run_dtype
         elif quantization is not None or (
             spec.gguf_file is not None and has_quantized_weights(spec.gguf_file)
@@ -530,10 +531,10 @@ class EngineConfig:
                     f"got {self.quantization!r}"
                 )
             quantized_dtypes(self.dtype, self.quantization, None)  # float32 math
-            if self.enable_lora or self.task not in ("generate", "embed"):
+            if self.enable_lora or self.task not in ("generate", "embed", "classify"):
                 raise ValueError(
                     f"quantization={self.quantization!r} supports decoder-only LMs without "
-                    "LoRA (enable_lora=False) and embedding models"
+                    "LoRA (enable_lora=False), embedding models and classifiers"
                 )
         if not isinstance(self.quantize_activations, bool):
             raise ValueError(
@@ -553,8 +554,9 @@ class EngineConfig:
 
     @property
     def task(self) -> str:
-        """ "generate" (causal LM), "encdec" (encoder-decoder LM) or "embed" (encoder-only
-        model: `LLM.embed` only)."""
+        """ "generate" (causal LM), "encdec" (encoder-decoder LM), "embed" (encoder-only
+        model: `LLM.embed` and `LLM.score` only) or "classify" (a sequence classifier:
+        `LLM.classify` and `LLM.score` only)."""
         return self.model_spec.task
 
     @property

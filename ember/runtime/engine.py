@@ -23,7 +23,9 @@ from ember.compile.capture import prewarm_graph_imports
 from ember.host.memory import collapse_to_huge_pages
 from ember.lora.adapter import LoRARequest
 from ember.lora.manager import LoRAManager
+from ember.model.forwards import with_token_types
 from ember.model.loader import LoadedModel, LoRAShape, load_model
+from ember.model.spec import POOLED_TASKS
 from ember.runtime.block_manager import BlockManager
 from ember.runtime.config import EngineConfig, KVCacheSpec
 from ember.runtime.draft import DraftProposer, draft_engine_args
@@ -224,11 +226,13 @@ class LLMEngine:
             self.lora.add(lora_request)
             lora_id = lora_request.lora_int_id
             lora_generation = self.lora.generation[lora_id]
-        if self.config.task == "embed":
+        if self.config.task in POOLED_TASKS:
             arch = self.config.model_spec.architecture
-            raise ValueError(
-                f"model {self.config.model!r} ({arch}) is an embedding model: use LLM.embed"
-            )
+            kind = {
+                "embed": "an embedding model: use LLM.embed",
+                "classify": "a classifier: use LLM.classify or LLM.score",
+            }[self.config.task]
+            raise ValueError(f"model {self.config.model!r} ({arch}) is {kind}")
         prompt_in = self.input_processor.process(prompt, params)
         token_ids = prompt_in.token_ids
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -307,7 +311,6 @@ class LLMEngine:
         updated, _ = self.scheduler.update(plan, result)
         return held + self.output_processor.outputs(updated)
 
-
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 
@@ -329,9 +332,30 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.input_processor.process_embed(prompt, index)
+        types = self._token_types(prompt, ids, index)
         params = SamplingParams(max_tokens=1)
-        request = Request(request_id, ids, params, None, 1, torch.Generator(), pool=True)
+        request = Request(
+            request_id, with_token_types(ids, types), params, None, 1, torch.Generator(), pool=True
+        )
         return ParentRequest(request_id, text, ids, params, [request])
+
+    def _token_types(self, prompt: PromptType, ids: list[int], index: int) -> list[int] | None:
+        """A pooled prompt's `token_type_ids` (a text pair's segments, for a cross-encoder),
+        checked against its ids and the model's `type_vocab_size`."""
+        types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if types is None:
+            return None
+        limit = int(getattr(self.config.model_spec.hf_config, "type_vocab_size", 0) or 0)
+        if not limit:
+            raise ValueError(f"prompt {index}: this model takes no token_type_ids")
+        if len(types) != len(ids) or any(
+            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < limit for t in types
+        ):
+            raise ValueError(
+                f"prompt {index}: token_type_ids must hold one id in [0, {limit}) per token "
+                f"({len(ids)})"
+            )
+        return list(types)
 
     @_one_thread
     def embed(

@@ -10,13 +10,28 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from ember.lora.adapter import LoRARequest
 from ember.runtime.config import EngineArgs
 from ember.runtime.engine import LLMEngine
 from ember.runtime.input_processor import PromptType
-from ember.runtime.outputs import EmbeddingRequestOutput, RequestOutput
+from ember.runtime.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from ember.runtime.pooling import (
+    activate,
+    check_scorer,
+    classifier_activation,
+    pair_prompt,
+    score_pairs,
+)
 from ember.runtime.request import RequestOutputKind, SamplingParams
 
 
@@ -200,19 +215,83 @@ class LLM:
         mean); causal LMs pool their last token. Raises ValueError for bad input before any
         work.
         """
-        prompt_list: list[PromptType] = (
-            [prompts] if isinstance(prompts, (str, dict)) else list(prompts)  # type: ignore[arg-type]
-        )
+        if self.config.task == "classify":
+            raise ValueError("this model is a classifier: use LLM.classify or LLM.score")
+        return self._pooled(_prompt_list(prompts), use_tqdm, "Embedding")
+
+    def _pooled(
+        self, prompt_list: list[PromptType], use_tqdm: bool, desc: str
+    ) -> list[EmbeddingRequestOutput]:
         ids = [str(self._counter + i) for i in range(len(prompt_list))]
         self._counter += len(prompt_list)
         start = time.perf_counter()
         with tqdm(
-            total=len(ids), desc="Embedding", unit="req", disable=not use_tqdm, dynamic_ncols=True
+            total=len(ids), desc=desc, unit="req", disable=not use_tqdm, dynamic_ncols=True
         ) as bar:
             outs = self.llm_engine.embed(ids, prompt_list)
             bar.update(len(outs))
             bar.set_postfix_str(f"{len(outs) / max(time.perf_counter() - start, 1e-9):.1f} req/s")
         return outs
+
+    @_serialised
+    def classify(
+        self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True
+    ) -> list[ClassificationRequestOutput]:
+        """A sequence classifier's class probabilities per prompt (`out.outputs.probs`):
+        its logits through softmax, or sigmoid for one label (a checkpoint's
+        sentence-transformers `activation_fn` wins). Raises ValueError for another kind of
+        model or bad input, before any work."""
+        if self.config.task != "classify":
+            raise ValueError(
+                f"LLM.classify needs a sequence classifier (*ForSequenceClassification); this "
+                f"model's task is {self.config.task}"
+            )
+        activation = classifier_activation(self.config.model_spec.hf_config)
+        outs = self._pooled(_prompt_list(prompts), use_tqdm, "Classifying")
+        out = []
+        for o in outs:
+            probs = activate(torch.tensor(o.outputs.embedding), activation).tolist()
+            out.append(ClassificationRequestOutput(
+                o.request_id, o.prompt, o.prompt_token_ids, ClassificationOutput(probs)
+            ))  # fmt: skip
+        return out
+
+    @_serialised
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score`: one score per text pair, `data_1[i]` with `data_2[i]` (one
+        `data_1` text goes with each of `data_2`). A cross-encoder (a classifier with one
+        label) reads each pair as the tokenizer joins it (with its segment ids) and scores it
+        through sigmoid; an embedding model scores the cosine similarity of the two texts'
+        embeddings. Raises ValueError for unequal lists or another kind of model."""
+        pairs = score_pairs(data_1, data_2)
+        spec = self.config.model_spec
+        check_scorer(spec)
+        if spec.task == "classify":
+            tokenizer = self.llm_engine.tokenizer
+            prompts = [pair_prompt(tokenizer, spec, a, b) for a, b in pairs]
+            outs = self._pooled(prompts, use_tqdm, "Scoring")
+            activation = classifier_activation(spec.hf_config)
+            return [
+                ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(float(
+                    activate(torch.tensor(o.outputs.embedding), activation)[0])))
+                for o in outs
+            ]  # fmt: skip
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        embedded = dict(zip(texts, self._pooled(list(texts), use_tqdm, "Scoring"), strict=True))
+        out = []
+        for i, (a, b) in enumerate(pairs):
+            ea, eb = embedded[a], embedded[b]
+            cos = torch.nn.functional.cosine_similarity(
+                torch.tensor(ea.outputs.embedding), torch.tensor(eb.outputs.embedding), dim=0
+            )
+            ids = ea.prompt_token_ids + eb.prompt_token_ids
+            out.append(ScoringRequestOutput(f"score-{i}", ids, ScoringOutput(float(cos))))
+        return out
 
     def _run(
         self,
@@ -489,3 +568,7 @@ def _error_output(request_id: str, prompt: PromptType, error: Exception) -> Requ
         else (prompt.get("prompt") if isinstance(prompt, dict) else None)
     )
     return RequestOutput(request_id, text, [], [], finished=True, error=f"{error}")
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)  # type: ignore[arg-type]

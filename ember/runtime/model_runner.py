@@ -33,6 +33,7 @@ from ember.compile.workers import (
 from ember.host.dirs import private_dir
 from ember.host.memory import zeroed_lazily
 from ember.lora.manager import LoRAManager
+from ember.model.forwards import TOKEN_TYPE_SHIFT
 from ember.model.loader import LoadedModel
 from ember.runtime.batch import (
     DecodeBuffers,
@@ -49,7 +50,7 @@ from ember.runtime.buckets import graph_sizes, padded_num_seqs, padded_num_token
 from ember.runtime.config import EngineConfig
 from ember.runtime.logits import apply_controls
 from ember.runtime.multimodal import ImageInputs, VisionGeometry
-from ember.runtime.pooling import PoolingConfig, pool
+from ember.runtime.pooling import ClassifierHead, PoolingConfig, pool
 from ember.runtime.sampler import non_finite_rows, prompt_logprobs, row_maxima, sample, verify
 from ember.runtime.structured import apply_bitmask, fill_bitmasks
 
@@ -78,6 +79,7 @@ class ModelRunner:
         self.loaded = loaded
         self.model = loaded.model
         self.pooling = pooling
+        self.classifier = ClassifierHead(loaded.model) if config.task == "classify" else None
         self.lora = lora
         self.backend = get_backend(config.attention_backend)
         # One tensor per layer, each with that layer's K/V heads and head_dim.
@@ -216,14 +218,25 @@ class ModelRunner:
         return RunnerOutput(sampled, logprobs, pooled, errors, prompt_lps)
 
     def _pool(self, plan: StepPlan) -> dict[str, list[float]]:
-        """The pooled embedding of each of `plan`'s embedding requests, by request id."""
+        """The pooled embedding (a classifier's logits) of each of `plan`'s pooled requests,
+        by request id."""
         embeds = plan.select(pool=True)
         if not embeds.requests:
             return {}
-        # Embedding models run their compiled graphs; a causal LM's base model runs eagerly
-        # (its compiled graphs produce logits).
+        # Embedding models and classifiers run their compiled graphs; a causal LM's base model
+        # runs eagerly (its compiled graphs produce logits).
         hidden = self._forward(embeds, self.forwards.hidden, self.config.max_blocks_per_seq)
         lens = [r.num_new_tokens for r in embeds.requests]
+        if self.classifier is not None:
+            out, start = {}, 0
+            mask = (1 << TOKEN_TYPE_SHIFT) - 1
+            for r, n in zip(embeds.requests, lens, strict=True):
+                ids = [t & mask for t in r.token_ids]
+                types = [t >> TOKEN_TYPE_SHIFT for t in r.token_ids]
+                head = self.classifier(hidden[start : start + n], ids, types)
+                out[r.request_id] = head.tolist()
+                start += n
+            return out
         vectors = pool(hidden[: sum(lens)], lens, self.pooling)
         return {r.request_id: v.tolist() for r, v in zip(embeds.requests, vectors, strict=True)}
 

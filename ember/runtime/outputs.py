@@ -58,6 +58,43 @@ class EmbeddingRequestOutput:
     finished: bool = True
 
 
+@dataclass
+class ClassificationOutput:
+    """vLLM's: the class probabilities (the activated logits) and their count."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """vLLM's `ClassificationRequestOutput`: `.outputs.probs`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's `ScoringRequestOutput`: `.outputs.score` of one text pair."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the pair's tokens (a cross-encoder's), or both texts'
+    outputs: ScoringOutput
+    finished: bool = True
+
+
 def _decode_stream(
     tokenizer: PreTrainedTokenizerBase | None, skip_special_tokens: bool, context: list[int]
 ) -> tuple[Any, Any] | None:

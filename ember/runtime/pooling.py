@@ -1,4 +1,5 @@
-"""Pooling of per-token hidden states into one embedding per sequence (vLLM's `embed` task).
+"""Pooling of per-token hidden states into one embedding per sequence (vLLM's `embed` task),
+and a sequence classifier's head over them (the `classify` task: `ClassifierHead`).
 
 The pooling mode and normalisation come from the sentence-transformers files of the checkpoint
 when present (`modules.json`, `<pooling dir>/config.json`, a `Normalize` module), as
@@ -10,10 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
 POOLING_MODES = ("mean", "cls", "last", "max")
 
@@ -93,3 +97,118 @@ def pool(hidden: torch.Tensor, lengths: list[int], config: PoolingConfig) -> tor
             grid[seq, col] = hidden
             out = grid.amax(dim=1)
     return F.normalize(out, dim=-1) if config.normalize else out
+
+
+class _Replay(torch.nn.Module):
+    """Stands in for a classifier's base model: returns hidden states already computed (and
+    the base's own pooler of them, as BERT's classifiers read it)."""
+
+    def __init__(self, base: torch.nn.Module, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.base_pooler = getattr(base, "pooler", None)
+        self.hidden = hidden
+
+    def forward(
+        self, *args: object, **kwargs: object
+    ) -> BaseModelOutputWithPoolingAndCrossAttentions:
+        pooled = self.base_pooler(self.hidden) if self.base_pooler is not None else None
+        return BaseModelOutputWithPoolingAndCrossAttentions(
+            last_hidden_state=self.hidden, pooler_output=pooled
+        )
+
+
+class ClassifierHead:
+    """A sequence classifier's own head (`BertForSequenceClassification`'s pooler and
+    classifier, XLM-R's classification head, a causal LM's score head on its last non-padding
+    token) over one request's last hidden states: the HF model's forward runs with its base
+    model replaced by the states the step computed, so each family's head is HF's own code."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.prefix = model.base_model_prefix
+        self.base = model.base_model
+        self.num_labels = int(model.config.num_labels)
+
+    @torch.inference_mode()
+    def __call__(self, hidden: torch.Tensor, ids: list[int], types: list[int]) -> torch.Tensor:
+        """hidden [len(ids), H] -> [num_labels] float32 logits."""
+        params = next(self.model.parameters())
+        replay = _Replay(self.base, hidden[None].to(params.dtype))
+        setattr(self.model, self.prefix, replay)
+        try:
+            out = self.model(
+                input_ids=torch.tensor([ids]),
+                token_type_ids=torch.tensor([types]) if types else None,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            )
+        finally:
+            setattr(self.model, self.prefix, self.base)
+        return out.logits[0].float()
+
+
+def classifier_activation(config: object) -> str:
+    """How a classifier's logits become scores and probabilities: "sigmoid" for one label
+    (a cross-encoder's relevance, as sentence-transformers' CrossEncoder and vLLM score it),
+    "softmax" for several, unless the checkpoint's sentence-transformers config names an
+    activation ("identity": raw logits)."""
+    named = (getattr(config, "sentence_transformers", None) or {}).get("activation_fn")
+    if isinstance(named, str):
+        name = named.rsplit(".", 1)[-1].lower()
+        if name in ("identity", "sigmoid", "softmax"):
+            return name
+    if getattr(config, "problem_type", None) == "multi_label_classification":
+        return "sigmoid"
+    return "sigmoid" if int(getattr(config, "num_labels", 2)) == 1 else "softmax"
+
+
+def activate(logits: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "sigmoid":
+        return torch.sigmoid(logits)
+    if activation == "softmax":
+        return torch.softmax(logits, dim=-1)
+    return logits
+
+
+def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[tuple[str, str]]:
+    """vLLM's pairing for scores: one text with each of the others (1:N), or lists of one
+    length (N:N); ValueError otherwise."""
+    first = [data_1] if isinstance(data_1, str) else list(data_1)
+    second = [data_2] if isinstance(data_2, str) else list(data_2)
+    if not first or not second:
+        raise ValueError("score needs at least one text on each side")
+    if any(not isinstance(t, str) for t in first + second):
+        raise ValueError("score takes texts (strings)")
+    if len(first) == 1:
+        first = first * len(second)
+    if len(first) != len(second):
+        raise ValueError(
+            f"score pairs text_1[i] with text_2[i]: give one text_1 or as many as text_2 "
+            f"({len(second)}), got {len(first)}"
+        )
+    return list(zip(first, second, strict=True))
+
+
+def pair_prompt(tokenizer: Any, spec: Any, a: str, b: str) -> dict[str, Any]:
+    """A text pair as a cross-encoder reads it: the tokenizer's pair encoding (BERT's
+    [CLS] a [SEP] b [SEP] with segment ids 0 and 1, XLM-R's <s> a </s></s> b </s>)."""
+    if tokenizer is None:
+        raise ValueError("scoring a text pair needs the model's tokenizer")
+    enc = tokenizer(a, b)
+    prompt: dict[str, Any] = {"prompt_token_ids": list(enc["input_ids"])}
+    types = enc.get("token_type_ids")
+    if types is not None and getattr(spec.hf_config, "type_vocab_size", 0):
+        prompt["token_type_ids"] = list(types)
+    return prompt
+
+
+def check_scorer(spec: Any) -> None:
+    """ValueError unless the model scores pairs: a one-label classifier or an embedding
+    model."""
+    if spec.task == "classify":
+        labels = int(spec.hf_config.num_labels)
+        if labels != 1:
+            raise ValueError(f"scores need a cross-encoder with one label; this classifier has "
+                             f"{labels}: classify its texts instead")  # fmt: skip
+    elif spec.task != "embed":
+        raise ValueError(f"scores need a cross-encoder or an embedding model; this model's "
+                         f"task is {spec.task}")  # fmt: skip

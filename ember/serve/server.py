@@ -46,7 +46,7 @@ from ember.runtime.llm import render_chat
 from ember.runtime.outputs import RequestOutput
 from ember.runtime.request import SamplingParams
 from ember.runtime.structured import StructuredOutputsParams
-from ember.serve import anthropic, responses
+from ember.serve import anthropic, responses, scoring
 from ember.serve.async_engine import AsyncLLMEngine
 from ember.serve.chat_outputs import ChatStream, ChatTools
 from ember.serve.choices import ChoiceBuilder, Chunk, usage
@@ -145,6 +145,7 @@ def build_app(
     _add_checks(app, api_key, server)
     _add_info_routes(app, server)
     _add_embedding_route(app, server)
+    _add_scoring_routes(app, server)
     _add_token_routes(app, server)
     _add_completion_routes(app, server)
     _add_responses_routes(app, server)
@@ -317,6 +318,8 @@ def _add_embedding_route(app: FastAPI, server: _Server) -> None:
             return bad
         if bad is not None:
             return _error(400, "embeddings with a LoRA adapter are not supported")
+        if server.engine.engine.config.task == "classify":
+            return _error(400, "this model is a classifier: use /classify, /score or /rerank")
         if body.encoding_format not in ("float", "base64"):
             return _error(
                 400, f"encoding_format must be float or base64, got {body.encoding_format!r}"
@@ -342,6 +345,76 @@ def _add_embedding_route(app: FastAPI, server: _Server) -> None:
         used = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
         return EmbeddingList(data=data, model=body.model or server.model_name,
                              usage=used).model_dump()  # fmt: skip
+
+
+def _add_scoring_routes(app: FastAPI, server: _Server) -> None:
+    """vLLM's `/score`, `/rerank` (Jina's and Cohere's shape, also at `/v1/rerank` and
+    `/v2/rerank`) and `/classify`: cross-encoders, embedding models and classifiers."""
+
+    def check(body: Any, count: int) -> JSONResponse | None:
+        if isinstance(bad := server.check_model(body.model), JSONResponse):
+            return bad
+        if bad is not None:
+            return _error(400, "scores and classes with a LoRA adapter are not supported")
+        if count > server.limits.max_prompts:
+            return _error(400, f"at most {server.limits.max_prompts} texts (prompts per "
+                               f"request) are taken, got {count}")  # fmt: skip
+        return None
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(body: scoring.ScoreRequest) -> Any:
+        rid = f"score-{uuid.uuid4().hex}"
+        try:
+            pairs = scoring.pairs_of(body)
+            if (bad := check(body, len(pairs))) is not None:
+                return bad
+            values, tokens = await scoring.scores(server.engine, rid, pairs)
+        except ValueError as e:
+            return _error(400, str(e))
+        model = body.model or server.model_name
+        return scoring.score_response(rid, server.created, model, values, tokens)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: scoring.RerankRequest) -> Any:
+        rid = f"rerank-{uuid.uuid4().hex}"
+        try:
+            texts = body.texts()
+            if (bad := check(body, len(texts))) is not None:
+                return bad
+            if body.top_n is not None and body.top_n < 0:
+                raise ValueError(f"top_n must be >= 0, got {body.top_n}")
+            pairs = [(body.query, t) for t in texts]
+            values, tokens = await scoring.scores(server.engine, rid, pairs) if pairs else ([], 0)
+        except ValueError as e:
+            return _error(400, str(e))
+        model = body.model or server.model_name
+        return scoring.rerank_response(rid, model, body, texts, values, tokens)
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify(body: scoring.ClassifyRequest) -> Any:
+        rid = f"classify-{uuid.uuid4().hex}"
+        config = server.engine.engine.config
+        try:
+            if config.task != "classify":
+                raise ValueError(f"/classify needs a sequence classifier; this model's task is "
+                                 f"{config.task}")  # fmt: skip
+            prompts = _prompts(body.input)
+            if (bad := check(body, len(prompts))) is not None:
+                return bad
+            outs = await asyncio.gather(*(
+                server.engine.embed(f"{rid}-{i}", p) for i, p in enumerate(prompts)
+            ))  # fmt: skip
+        except ValueError as e:
+            return _error(400, str(e))
+        logits = [o.outputs.embedding for o in outs]
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        model = body.model or server.model_name
+        return scoring.classify_response(rid, server.created, model,
+                                         config.model_spec.hf_config, logits, tokens)  # fmt: skip
 
 
 def _add_token_routes(app: FastAPI, server: _Server) -> None:

@@ -251,3 +251,27 @@ def test_embed_beside_requests_in_flight_keeps_their_outputs(checkpoint_dir):
     alone = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
     assert len(alone[0].outputs[0].token_ids) == 6
     assert engine.num_free_blocks() == engine.block_manager.num_usable_blocks
+
+
+def test_roberta_style_positions_match_hf(tmp_path):
+    """XLM-R (as bge-m3 and multilingual-e5 are) numbers positions from pad_token_id + 1 when
+    HF's forward is given none; ember's embeddings match, and the context is what its
+    position table holds past that offset."""
+    from transformers import XLMRobertaConfig, XLMRobertaModel
+
+    torch.manual_seed(0)
+    config = XLMRobertaConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, intermediate_size=128, pad_token_id=1,
+                              max_position_embeddings=66, architectures=["XLMRobertaModel"])  # fmt: skip
+    XLMRobertaModel(config).save_pretrained(str(tmp_path))
+    prompts = make_prompts(5, seed=5, low=2, high=40, vocab=300)
+    llm = LLM(model=str(tmp_path), compile=False, dtype="float32", kv_cache_gib=0.01,
+              block_size=4, use_tqdm=False)  # fmt: skip
+    assert llm.config.max_model_len == 64  # 66 positions, from 2
+    got = torch.tensor([o.outputs.embedding for o in llm.embed(
+        [{"prompt_token_ids": p} for p in prompts], use_tqdm=False)])  # fmt: skip
+    hf = AutoModel.from_pretrained(str(tmp_path)).eval()
+    want = torch.cat([_hf_mean_pooled(hf, {"input_ids": torch.tensor([p]),
+                                           "attention_mask": torch.ones(1, len(p))})
+                      for p in prompts])  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
