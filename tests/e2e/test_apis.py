@@ -193,6 +193,12 @@ def test_responses_tool_calls_and_reasoning_streamed_or_not(server):
                                       max_output_tokens=60)  # fmt: skip
     ((item,),) = [[i for i in r.output if i.type == "function_call"]]
     assert item.name == "get_time" and json.loads(item.arguments)["zone"] in ("UTC", "CET")
+    # text.format: the answer follows the schema (an enum: the greedy tiny model fills any
+    # room a schema leaves with spaces).
+    fmt = {"type": "json_schema", "name": "zone", "schema": {"enum": ["UTC", "CET"]}}
+    r = _oai(server).responses.create(model="tiny", input=ASK, text={"format": fmt},
+                                      max_output_tokens=20, temperature=0)  # fmt: skip
+    assert r.status == "completed" and json.loads(r.output_text) in ("UTC", "CET")
 
 
 def test_previous_response_id_continues_the_stored_conversation(server, llm):
