@@ -5,6 +5,7 @@ checkpoints."""
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
@@ -54,11 +55,17 @@ def gguf_file(tmp_path_factory):
     return make
 
 
-def _hf(path: str):
+def _hf(path: str, config=None):
+    """HF transformers' model of a GGUF file; `config`: the file's config, already read
+    (transformers parses the whole file, vocabulary included, once for the config and once
+    for the tensors: 16 s each for Gemma 3's 262k tokens)."""
     from transformers import AutoModelForCausalLM
 
     directory, name = os.path.split(path)
-    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    extra = {} if config is None else {"config": config, "attn_implementation": "sdpa"}
+    return AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32, **extra
+    )
 
 
 def _hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -816,10 +823,13 @@ def test_the_gemma3_270m_q4_k_m_file_matches_hf():
         assert len(apart) == 9 and all(a.v_proj.bits == 8 for a in apart)
         assert all(a.q_proj.group == 2 and a.q_proj.fused.bits == 5 for a in apart)
         outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+        # transformers' own config of the file (ember reads it through transformers too), with
+        # HF's attention (ember routes its loaded models' attention to its own op).
+        config = copy.deepcopy(llm.llm_engine.config.model_spec.hf_config)
     assert "France" in outs[0].outputs[0].text or "Paris" in outs[0].outputs[0].text, (
         outs[0].outputs[0].text
     )
-    hf = _hf(path)
+    hf = _hf(path, config)
     ranks = [
         r
         for o in outs
