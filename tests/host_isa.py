@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -168,12 +169,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     """How long the child ran and how long the parent then waited for it: the suite's time is
-    the parent's own run plus that wait, so a cut pays where it shortens the longer side."""
+    the parent's own run plus that wait, so a cut pays where it shortens the longer side (the
+    parent's, while the wait is 0)."""
     child = getattr(config, "_ember_avx2_child", None)
     if child is not None and child.timing is not None:
         ran, waited = child.timing
         terminalreporter.write_line(
-            f"[avx2-host] child pytest: {ran:.0f} s from collection; the parent waited "
+            f"[avx2-host] child pytest: ran {ran:.0f} s from collection; the parent waited "
             f"{waited:.0f} s for it"
         )
 
@@ -190,8 +192,7 @@ def _child_inductor_cache() -> str:
     vectors (the [avx2-host] linears read garbage; see tests/kernels/test_scalar_build.py).
     Kept from run to run beside the parent's (inductor's default under the temp dir, or
     `TORCHINDUCTOR_CACHE_DIR` + "-avx2-host"), as the parent's is: a fresh one each run made
-    the child compile every graph cold, and the child is half of the suite's time (972 s of
-    977 on a 2-core Xeon, the parent's own tests as long beside it)."""
+    the child compile every graph cold, taking CPU from the parent's run beside it."""
     parent = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if parent:
         return parent.rstrip(os.sep) + "-avx2-host"
@@ -223,6 +224,14 @@ class _Child:
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )  # fmt: skip
         self._reports: dict[str, list[pytest.TestReport]] | None = None
+        # When the child exits (its run's length: the parent asks for its reports only once
+        # its own tests are done, which may be long after).
+        self.ended: float | None = None
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        self.proc.wait()
+        self.ended = time.monotonic()
 
     def _collect(self) -> dict[str, list[pytest.TestReport]]:
         if self._reports is None:
@@ -242,7 +251,7 @@ class _Child:
                         reports.setdefault(report.nodeid, []).append(report)
             self._reports = reports
             now = time.monotonic()
-            self.timing = (now - self.started, now - waited)
+            self.timing = ((self.ended or now) - self.started, now - waited)
         return self._reports
 
     def reports_for(self, item: pytest.Item) -> list[pytest.TestReport]:

@@ -11,7 +11,6 @@ import os
 import shutil
 import time
 
-import anthropic
 import fastapi  # noqa: F401  (`ember serve`)
 import openai
 import pytest
@@ -57,17 +56,6 @@ def test_serve_with_no_model_answers_a_chat_in_a_fresh_cache(tmp_path):
         want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert "<|im_start|>assistant" in want
         assert r.usage.prompt_tokens == len(tok.encode(want, add_special_tokens=False))
-        # The Responses and Messages APIs answer the same chat through the same template.
-        greedy = client.chat.completions.create(model=names[0], messages=messages,
-                                                max_tokens=12, temperature=0)  # fmt: skip
-        text = greedy.choices[0].message.content
-        resp = client.responses.create(model=names[0], input=messages[0]["content"],
-                                       max_output_tokens=12, temperature=0)  # fmt: skip
-        claude = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
-        msg = claude.messages.create(model=names[0], messages=messages, max_tokens=12,
-                                     extra_body={"temperature": 0})  # fmt: skip
-        assert resp.output_text == text == msg.content[0].text, (text, resp, msg)
-        assert resp.usage.input_tokens == msg.usage.input_tokens == r.usage.prompt_tokens
     finally:
         log = stop_serve(proc)
     assert "no model given: using SmolLM2-135M-Instruct" in log, log[-2000:]
