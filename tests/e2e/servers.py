@@ -1,16 +1,21 @@
 """Helpers the end-to-end tests share: a checkpoint copy with a chat template (and the plain
 one the tiny-model tests use), `ember serve`
-started in a subprocess on a free port (ready once `/health` answers), and its metrics."""
+started in a subprocess on a free port (ready once `/health` answers), an app served on a thread
+of this process (`serve_in_thread`), and a server's metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
@@ -61,6 +66,26 @@ def start_serve(
     proc.kill()
     out = proc.stdout.read()[-3000:]  # type: ignore[union-attr]
     pytest.fail(f"ember serve did not come up in {timeout:.0f} s: {out}")
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """`app` (an ASGI app: `build_app`'s, or several mounted under one) served by uvicorn on a
+    thread of this process, on a free port: its base URL while the block runs."""
+    import uvicorn
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
 
 
 def metrics(server: str, api_key: str | None = None) -> dict[str, float]:

@@ -8,7 +8,6 @@ reasons with answers forced to a format's exact text by a structured output (`ch
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,7 +22,7 @@ from ember.runtime.engine import LLMEngine
 from ember.runtime.llm import LLM
 from ember.runtime.request import SamplingParams
 from ember.serve.responses import ResponseStore
-from tests.e2e.servers import free_port, with_chat_template
+from tests.e2e.servers import serve_in_thread, with_chat_template
 from tests.e2e.test_tool_calls import ASK, CALLS, FORMATS, TEMPLATE, TIME, TOOLS
 
 ENGINE = dict(compile=False, dtype="float32", kv_cache_gib=0.05, max_model_len=512)
@@ -50,7 +49,6 @@ def model_dir(checkpoint_dir, tmp_path_factory):
 def server(model_dir):
     """One engine, one uvicorn; each configuration of `APPS` at /<name>, plus /keyed (the
     plain one behind an API key) and /small (at most 2 stored responses)."""
-    import uvicorn
 
     from ember.serve.async_engine import AsyncLLMEngine
     from ember.serve.chat_outputs import ChatTools
@@ -66,16 +64,8 @@ def server(model_dir):
     root.mount("/keyed", build_app(engine, "tiny", api_key=KEY))
     small = ServeLimits(max_n=4, max_stored_responses=2)
     root.mount("/small", build_app(engine, "tiny", limits=small))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(root, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(root) as url:
+        yield url
     engine.shutdown()
 
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -175,13 +173,12 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 def served(bert):
     """The cross-encoder and (where installed) MiniLM served in this process: base URLs."""
     import fastapi
-    import uvicorn
 
     from ember.runtime.config import EngineArgs
     from ember.runtime.engine import LLMEngine
     from ember.serve.async_engine import AsyncLLMEngine
     from ember.serve.server import build_app
-    from tests.e2e.servers import free_port
+    from tests.e2e.servers import serve_in_thread
 
     models = {"ce": bert}
     if MINILM is not None:
@@ -194,16 +191,8 @@ def served(bert):
                             kv_cache_gib=0.02).create_engine_config()  # fmt: skip
         engines.append(AsyncLLMEngine(LLMEngine.from_config(config, show_progress=False)))
         root.mount(f"/{name}", build_app(engines[-1], name))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(root, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(root) as url:
+        yield url
     for engine in engines:
         engine.shutdown()
 

@@ -13,8 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 
 import fastapi
 import jsonschema
@@ -25,7 +23,7 @@ from transformers import AutoTokenizer
 
 from ember.runtime.config import EngineArgs
 from ember.runtime.engine import LLMEngine
-from tests.e2e.servers import free_port, start_serve, stop_serve, with_chat_template
+from tests.e2e.servers import serve_in_thread, start_serve, stop_serve, with_chat_template
 
 # A Qwen2.5-style template: tools in the system turn, assistant tool calls as hermes blocks,
 # tool results as user turns in <tool_response>, and an enable_thinking switch.
@@ -115,7 +113,6 @@ APPS = {
 @pytest.fixture(scope="module")
 def server(model_dir):
     """One engine, one uvicorn; each configuration of `APPS` at /<name>/v1."""
-    import uvicorn
 
     from ember.serve.async_engine import AsyncLLMEngine
     from ember.serve.chat_outputs import ChatTools
@@ -127,16 +124,8 @@ def server(model_dir):
     for name, options in APPS.items():
         tools = ChatTools(engine.engine.tokenizer, **options)
         root.mount(f"/{name}", build_app(engine, "tiny", chat_tools=tools))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(root, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(root) as url:
+        yield url, engine
     engine.shutdown()
 
 
