@@ -275,7 +275,8 @@ def sse(kind: str, data: dict[str, Any]) -> str:
 
 class MessageEvents:
     """One streamed answer as Anthropic's events: `start` opens the message, `feed` turns
-    each step's chat deltas into content block events, `finish` closes it."""
+    each step's chat deltas into content block events, `finish` closes it, `failed` ends it
+    with an error event (the interface `responses.ResponseEvents` shares)."""
 
     def __init__(self, mid: str, model: str) -> None:
         self.mid, self.model = mid, model
@@ -292,13 +293,17 @@ class MessageEvents:
         return [self._event(e) for e in self.blocks.feed(deltas)]
 
     def finish(self, called: bool, finish_reason: str | None, stop: Any,
-               output_tokens: int) -> list[str]:  # fmt: skip
+               counts: tuple[int, int, int]) -> list[str]:  # fmt: skip
+        """`counts`: (prompt tokens, generated tokens, prompt tokens from the prefix cache)."""
         reason, sequence = stop_reason(called, finish_reason, stop)
         delta = {"type": "message_delta",
                  "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                 "usage": {"output_tokens": output_tokens}}  # fmt: skip
+                 "usage": {"output_tokens": counts[1]}}  # fmt: skip
         out = [self._event(e) for e in self.blocks.close()]
         return out + [sse("message_delta", delta), sse("message_stop", {"type": "message_stop"})]
+
+    def failed(self, message: str) -> list[str]:
+        return [sse("error", error_body(500, message))]
 
     @staticmethod
     def _event(event: Event) -> str:

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,16 +65,17 @@ class ResponsesRequest(BaseModel):
             return [{"role": "user", "content": self.input}]
         return _chat_messages(self.input)
 
-    def chat_request(self, history: list[dict[str, Any]]) -> ChatRequest:
-        """The chat completion this request asks for, after the stored conversation
-        `history`; ValueError naming a bad field."""
+    def chat_request(self, conversation: list[dict[str, Any]]) -> ChatRequest:
+        """The chat completion this request asks for: `conversation` (the stored conversation
+        of `previous_response_id`, then `input_messages()`) after the instructions;
+        ValueError naming a bad field."""
         if self.background:
             raise ValueError("background: true is not supported (answers are streamed or "
                              "returned whole)")  # fmt: skip
         if self.truncation not in (None, "disabled"):
             raise ValueError(f"truncation must be disabled, got {self.truncation!r}: a prompt "
                              "longer than the context is refused, never cut")  # fmt: skip
-        messages = list(history) + self.input_messages()
+        messages = list(conversation)
         if self.instructions:
             messages.insert(0, {"role": "system", "content": self.instructions})
         if not messages:
@@ -300,10 +302,11 @@ def whole_response(
 
 
 class ResponseEvents:
-    """One streamed answer as the Responses API's events, numbered in order."""
+    """One streamed answer as the Responses API's events, numbered in order (the interface of
+    `anthropic.MessageEvents`); `done` is given the whole response it ends with."""
 
-    def __init__(self, head: ResponseHead) -> None:
-        self.head = head
+    def __init__(self, head: ResponseHead, done: Callable[[dict[str, Any]], None]) -> None:
+        self.head, self.done = head, done
         self.blocks = BlockStream()
         self.ids: list[str] = []  # each block's item id
         self.seq = 0
@@ -313,7 +316,7 @@ class ResponseEvents:
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
-    def start(self) -> list[str]:
+    def start(self, input_tokens: int, cached: int) -> list[str]:
         pending = self.head.response("in_progress", [], None)
         return [self._sse("response.created", {"response": pending}),
                 self._sse("response.in_progress", {"response": pending})]  # fmt: skip
@@ -321,16 +324,16 @@ class ResponseEvents:
     def feed(self, deltas: list[dict[str, Any]]) -> list[str]:
         return [e for event in self.blocks.feed(deltas) for e in self._events(event)]
 
-    def finish(self, finish_reason: str | None, counts: tuple[int, int, int]) -> tuple[
-        list[str], dict[str, Any]
-    ]:  # fmt: skip
-        """The closing events, and the whole response they end with."""
+    def finish(self, called: bool, finish_reason: str | None, stop: Any,
+               counts: tuple[int, int, int]) -> list[str]:  # fmt: skip
+        """The closing events; the whole response they end with goes to `done`."""
         out = [e for event in self.blocks.close() for e in self._events(event)]
         output = [output_item(b, i) for b, i in zip(self.blocks.blocks, self.ids, strict=True)]
         status, why = status_of(finish_reason)
         response = self.head.response(status, output, usage(*counts), why)
+        self.done(response)
         kind = "response.completed" if status == "completed" else "response.incomplete"
-        return out + [self._sse(kind, {"response": response})], response
+        return out + [self._sse(kind, {"response": response})]
 
     def failed(self, message: str) -> list[str]:
         response = self.head.response("failed", [], None)

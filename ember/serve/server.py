@@ -719,20 +719,19 @@ def _add_responses_routes(app: FastAPI, server: _Server) -> None:
             history = found[1]
         rid = f"resp_{uuid.uuid4().hex}"
         try:
-            inputs = body.input_messages()
-            chat = await _start_chat(server, rid, body.chat_request(history), lora)
+            conversation = history + body.input_messages()
+            chat = await _start_chat(server, rid, body.chat_request(conversation), lora)
         except ValueError as e:
             return _error(400, str(e))
         head = responses.ResponseHead(rid, int(time.time()), body.model or server.model_name,
                                       body)  # fmt: skip
-        conversation = history + inputs
 
         def keep(response: dict[str, Any]) -> None:
-            if body.store and response["status"] != "failed":
+            if body.store:
                 store.put(response, conversation + responses.history_of(response["output"]))
 
         if body.stream:
-            events = _response_events(server, chat, head, keep)
+            events = _chat_events(server, chat, responses.ResponseEvents(head, keep))
             return StreamingResponse(events, media_type="text/event-stream")
         message, _, ended = await _whole_chat(server, chat)
         counts = (chat.prompt_tokens, ended.completion_tokens, chat.cached_tokens)
@@ -754,23 +753,23 @@ def _add_responses_routes(app: FastAPI, server: _Server) -> None:
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
-async def _response_events(
-    server: _Server, chat: _Chat, head: responses.ResponseHead, keep: Any
+async def _chat_events(
+    server: _Server, chat: _Chat, events: responses.ResponseEvents | anthropic.MessageEvents
 ) -> AsyncIterator[str]:
-    events = responses.ResponseEvents(head)
+    """A running chat answer as an API's server-sent events (`events`: its writer)."""
+    answer = server.tools.stream(chat.mode)
     try:
-        for event in events.start():
+        for event in events.start(chat.prompt_tokens, chat.cached_tokens):
             yield event
-        async for step in _chat_steps(chat, server.tools.stream(chat.mode)):
+        async for step in _chat_steps(chat, answer):
             if isinstance(step, _Ended):
                 counts = (chat.prompt_tokens, step.completion_tokens, chat.cached_tokens)
-                closing, response = events.finish(step.finish_reason, counts)
-                keep(response)
-                for event in closing:
-                    yield event
+                closing = events.finish(answer.called, step.finish_reason, step.stop_reason,
+                                        counts)  # fmt: skip
             else:
-                for event in events.feed(step):  # type: ignore[arg-type]
-                    yield event
+                closing = events.feed(step)  # type: ignore[arg-type]
+            for event in closing:
+                yield event
     except RuntimeError as e:
         for event in events.failed(str(e)):
             yield event
@@ -792,7 +791,7 @@ def _add_messages_routes(app: FastAPI, server: _Server) -> None:
             return _error(400, str(e), api="anthropic")
         model = body.model or server.model_name
         if body.stream:
-            events = _message_events(server, chat, anthropic.MessageEvents(mid, model))
+            events = _chat_events(server, chat, anthropic.MessageEvents(mid, model))
             return StreamingResponse(events, media_type="text/event-stream")
         message, called, ended = await _whole_chat(server, chat)
         counts = (chat.prompt_tokens, ended.completion_tokens, chat.cached_tokens)
@@ -810,28 +809,6 @@ def _add_messages_routes(app: FastAPI, server: _Server) -> None:
         except ValueError as e:
             return _error(400, str(e), api="anthropic")
         return {"input_tokens": len(ids)}
-
-
-async def _message_events(
-    server: _Server, chat: _Chat, events: anthropic.MessageEvents
-) -> AsyncIterator[str]:
-    answer = server.tools.stream(chat.mode)
-    try:
-        for event in events.start(chat.prompt_tokens, chat.cached_tokens):
-            yield event
-        async for step in _chat_steps(chat, answer):
-            if isinstance(step, _Ended):
-                closing = events.finish(answer.called, step.finish_reason, step.stop_reason,
-                                        step.completion_tokens)  # fmt: skip
-                for event in closing:
-                    yield event
-            else:
-                for event in events.feed(step):  # type: ignore[arg-type]
-                    yield event
-    except RuntimeError as e:
-        yield anthropic.sse("error", anthropic.error_body(500, str(e)))
-    finally:  # a client gone mid-stream: the request is aborted
-        await chat.stream.aclose()  # type: ignore[attr-defined]
 
 
 def parse_lora_modules(specs: list[str] | None) -> dict[str, LoRARequest]:
