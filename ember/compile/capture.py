@@ -88,7 +88,7 @@ def build_forwards(
         apply_regions(model)
     vision = text = None
     if task in POOLED_TASKS:
-        step = capture_hidden_forward(model, task)
+        step = capture_hidden_forward(model, task, loaded.spec.position_offset)
     elif loaded.spec.multimodal is not None:
         step = capture_cross_attention_lm_forward(model)
         text = capture_cross_attention_lm_forward(model, images=False)

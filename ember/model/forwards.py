@@ -150,22 +150,14 @@ def with_token_types(ids: list[int], types: list[int] | None) -> list[int]:
     return [i | (t << TOKEN_TYPE_SHIFT) for i, t in zip(ids, types, strict=True)]
 
 
-def position_offset(model: Any) -> int:
-    """Where an encoder's position ids start: RoBERTa-style embeddings (XLM-R, CamemBERT,
-    MPNet, ...) number an unpadded sequence from `padding_idx + 1`, as HF's forward does when
-    given no position ids; others from 0."""
-    embeddings = getattr(model, "embeddings", None)
-    padding_idx = getattr(embeddings, "padding_idx", None)
-    if padding_idx is None or not hasattr(embeddings, "create_position_ids_from_input_ids"):
-        return 0
-    return int(padding_idx) + 1
-
-
-def capture_hidden_forward(model: PreTrainedModel, task: str) -> Callable[..., Any]:
+def capture_hidden_forward(
+    model: PreTrainedModel, task: str, position_offset: int = 0
+) -> Callable[..., Any]:
     """The forward for pooling: same arguments as `capture_forward`'s, returns the last hidden
     states [num_tokens, hidden] (after the final norm) of the encoder, a classifier's base
     model or the causal LM's base model. `logits_indices` is unused (pooling needs every row).
-    Token type ids come from the input ids' high bits (`with_token_types`)."""
+    Token type ids come from the input ids' high bits (`with_token_types`); positions start at
+    `position_offset` (`ModelSpec.position_offset`)."""
     if task == "generate":
         base = model.get_decoder()
     else:
@@ -173,7 +165,6 @@ def capture_hidden_forward(model: PreTrainedModel, task: str) -> Callable[..., A
     extra: dict[str, Any] = {}
     if "token_type_ids" in inspect.signature(base.forward).parameters:
         extra["token_type_ids"] = 0
-    offset = position_offset(base) if task != "generate" else 0
 
     def forward(
         input_ids: torch.Tensor,
@@ -188,7 +179,7 @@ def capture_hidden_forward(model: PreTrainedModel, task: str) -> Callable[..., A
             input_ids = input_ids & ((1 << TOKEN_TYPE_SHIFT) - 1)
         out = base(
             input_ids=input_ids[None],
-            position_ids=(positions + offset)[None],
+            position_ids=(positions + position_offset)[None],
             use_cache=False,
             attn_metadata=attn_metadata,
             kv_caches=kv_caches,

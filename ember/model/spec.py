@@ -79,6 +79,10 @@ class ModelSpec:
     # A vision-language model (`MllamaForConditionalGeneration`): its model_type. Its images
     # reach the language model through cross-attention layers (`ember.runtime.multimodal`).
     multimodal: str | None = None
+    # Where a pooled encoder's position ids start (`_position_offset`): RoBERTa-style
+    # embeddings number an unpadded sequence from pad_token_id + 1; `max_positions` is what
+    # the table holds past that.
+    position_offset: int = 0
 
     @property
     def auto_class(self) -> Any:
@@ -143,19 +147,20 @@ def read_model_spec(model_dir: str) -> ModelSpec:
     task = model_task(config)  # first: it refuses what the geometry below cannot read
     text = config.get_text_config()
     num_layers, num_kv_heads, head_dim = kv_geometry(text)
+    offset = _position_offset(config, task)
     return ModelSpec(
         model_dir=model_dir,
         hf_config=config,
         task=task,
         architecture=(getattr(config, "architectures", None) or [config.model_type])[0],
         checkpoint_dtype=dtype if isinstance(dtype, torch.dtype) else None,
-        max_positions=(getattr(text, "max_position_embeddings", None) or 1 << 16)
-        - _position_offset(config, task),
+        max_positions=(getattr(text, "max_position_embeddings", None) or 1 << 16) - offset,
         num_kv_layers=num_layers,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         gguf_file=gguf_file,
         multimodal=config.model_type if config.model_type in MULTIMODAL_MODEL_TYPES else None,
+        position_offset=offset,
     )
 
 
@@ -242,8 +247,10 @@ def load_hf_config(model_dir: str) -> PretrainedConfig:
 
 
 def _position_offset(config: PretrainedConfig, task: str) -> int:
-    """Positions a pooled encoder's embeddings skip (RoBERTa-style: `pad_token_id + 1`; see
-    `ember.model.forwards.position_offset`), which its max_position_embeddings include."""
+    """Where a pooled encoder's position ids start: RoBERTa-style embeddings (XLM-R,
+    CamemBERT, MPNet, ...: their module's embeddings derive positions from the input ids) number
+    an unpadded sequence from `pad_token_id + 1`, as HF's forward does when given no position
+    ids; others from 0. Its max_position_embeddings include the positions skipped."""
     if task not in POOLED_TASKS:
         return 0
     model_cls = _AUTO_CLASSES[task]._model_mapping[type(config)]

@@ -27,10 +27,10 @@ from ember.runtime.outputs import (
 )
 from ember.runtime.pooling import (
     activate,
-    check_scorer,
     classifier_activation,
-    pair_prompt,
+    pair_scores,
     score_pairs,
+    score_prompts,
 )
 from ember.runtime.request import RequestOutputKind, SamplingParams
 
@@ -270,28 +270,23 @@ class LLM:
         embeddings. Raises ValueError for unequal lists or another kind of model."""
         pairs = score_pairs(data_1, data_2)
         spec = self.config.model_spec
-        check_scorer(spec)
-        if spec.task == "classify":
-            tokenizer = self.llm_engine.tokenizer
-            prompts = [pair_prompt(tokenizer, spec, a, b) for a, b in pairs]
-            outs = self._pooled(prompts, use_tqdm, "Scoring")
-            activation = classifier_activation(spec.hf_config)
+        prompts = score_prompts(self.llm_engine.tokenizer, spec, pairs)
+        outs = self._pooled(prompts, use_tqdm, "Scoring")
+        values = pair_scores(spec, pairs, prompts, [o.outputs.embedding for o in outs])
+        if spec.task == "classify":  # one pooled request per pair
             return [
-                ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(float(
-                    activate(torch.tensor(o.outputs.embedding), activation)[0])))
-                for o in outs
-            ]  # fmt: skip
-        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        embedded = dict(zip(texts, self._pooled(list(texts), use_tqdm, "Scoring"), strict=True))
-        out = []
-        for i, (a, b) in enumerate(pairs):
-            ea, eb = embedded[a], embedded[b]
-            cos = torch.nn.functional.cosine_similarity(
-                torch.tensor(ea.outputs.embedding), torch.tensor(eb.outputs.embedding), dim=0
+                ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(v))
+                for o, v in zip(outs, values, strict=True)
+            ]
+        by_text = dict(zip(prompts, outs, strict=True))
+        return [
+            ScoringRequestOutput(
+                f"score-{i}",
+                by_text[a].prompt_token_ids + by_text[b].prompt_token_ids,
+                ScoringOutput(v),
             )
-            ids = ea.prompt_token_ids + eb.prompt_token_ids
-            out.append(ScoringRequestOutput(f"score-{i}", ids, ScoringOutput(float(cos))))
-        return out
+            for i, ((a, b), v) in enumerate(zip(pairs, values, strict=True))
+        ]
 
     def _run(
         self,

@@ -128,12 +128,12 @@ class ClassifierHead:
         self.prefix = model.base_model_prefix
         self.base = model.base_model
         self.num_labels = int(model.config.num_labels)
+        self.dtype = next(model.parameters()).dtype  # the head's: the states are cast to it
 
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor, ids: list[int], types: list[int]) -> torch.Tensor:
         """hidden [len(ids), H] -> [num_labels] float32 logits."""
-        params = next(self.model.parameters())
-        replay = _Replay(self.base, hidden[None].to(params.dtype))
+        replay = _Replay(self.base, hidden[None].to(self.dtype))
         setattr(self.model, self.prefix, replay)
         try:
             out = self.model(
@@ -199,6 +199,27 @@ def pair_prompt(tokenizer: Any, spec: Any, a: str, b: str) -> dict[str, Any]:
     if types is not None and getattr(spec.hf_config, "type_vocab_size", 0):
         prompt["token_type_ids"] = list(types)
     return prompt
+
+
+def score_prompts(tokenizer: Any, spec: Any, pairs: list[tuple[str, str]]) -> list[Any]:
+    """What to pool to score `pairs`: each pair as a cross-encoder reads it, or each distinct
+    text once for an embedding model. ValueError for a model that does not score."""
+    check_scorer(spec)
+    if spec.task == "classify":
+        return [pair_prompt(tokenizer, spec, a, b) for a, b in pairs]
+    return list(dict.fromkeys(t for pair in pairs for t in pair))
+
+
+def pair_scores(
+    spec: Any, pairs: list[tuple[str, str]], prompts: list[Any], pooled: list[list[float]]
+) -> list[float]:
+    """Each pair's score from `score_prompts`' pooled outputs: a cross-encoder's activated
+    logit, or the cosine of the two texts' embeddings."""
+    if spec.task == "classify":
+        activation = classifier_activation(spec.hf_config)
+        return [float(activate(torch.tensor(row), activation)[0]) for row in pooled]
+    vectors = {t: torch.tensor(v) for t, v in zip(prompts, pooled, strict=True)}
+    return [float(F.cosine_similarity(vectors[a], vectors[b], dim=0)) for a, b in pairs]
 
 
 def check_scorer(spec: Any) -> None:

@@ -18,10 +18,10 @@ from pydantic import BaseModel, ConfigDict
 
 from ember.runtime.pooling import (
     activate,
-    check_scorer,
     classifier_activation,
-    pair_prompt,
+    pair_scores,
     score_pairs,
+    score_prompts,
 )
 
 
@@ -64,21 +64,9 @@ async def scores(engine: Any, rid: str, pairs: list[tuple[str, str]]) -> tuple[l
     """(each pair's score, the prompt tokens read); ValueError for a model that does not
     score or a bad text."""
     spec = engine.engine.config.model_spec
-    check_scorer(spec)
-    if spec.task == "classify":
-        tokenizer = engine.engine.tokenizer
-        prompts = [pair_prompt(tokenizer, spec, a, b) for a, b in pairs]
-        outs = await asyncio.gather(*(engine.embed(f"{rid}-{i}", p) for i, p in enumerate(prompts)))
-        activation = classifier_activation(spec.hf_config)
-        values = [float(activate(torch.tensor(o.outputs.embedding), activation)[0]) for o in outs]
-        return values, sum(len(o.prompt_token_ids) for o in outs)
-    texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-    outs = await asyncio.gather(*(engine.embed(f"{rid}-{i}", t) for i, t in enumerate(texts)))
-    vectors = {t: torch.tensor(o.outputs.embedding) for t, o in zip(texts, outs, strict=True)}
-    values = [
-        float(torch.nn.functional.cosine_similarity(vectors[a], vectors[b], dim=0))
-        for a, b in pairs
-    ]
+    prompts = score_prompts(engine.engine.tokenizer, spec, pairs)
+    outs = await asyncio.gather(*(engine.embed(f"{rid}-{i}", p) for i, p in enumerate(prompts)))
+    values = pair_scores(spec, pairs, prompts, [o.outputs.embedding for o in outs])
     return values, sum(len(o.prompt_token_ids) for o in outs)
 
 
