@@ -130,6 +130,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"generated {num_out} tokens for {len(outs)} prompts in {gen_s:.3f} s: "
         f"{num_out / max(gen_s, 1e-9):.1f} tok/s (load {load_s:.2f} s, dtype {llm.config.dtype})"
     )
+    store = llm.llm_engine.prefix_store
+    if store is not None:
+        cached = sum(o.num_cached_tokens for o in outs)
+        llm.close()  # writes the blocks still queued
+        print(
+            f"prefix cache {store.directory}: {cached} prompt tokens cached, "
+            f"{store.stats.hits} blocks read, {store.stats.blocks_written} written"
+        )
     return 0
 
 
@@ -179,6 +187,17 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         f"{' + one dynamic' if len(sizes) > len(engine.runner.buckets) else ''}) {state} in "
         f"{seconds:.1f} s; cache dir {cache_dir}"
     )
+    if args.prompt:
+        if engine_args.prefix_cache_dir is None:
+            raise SystemExit("ember warmup: --prompt needs --prefix-cache-dir")
+        texts = []
+        for path in args.prompt:
+            with open(path, encoding="utf-8") as f:
+                texts.append(f.read())
+        saved = llm.save_prefix(texts)
+        for path, num_tokens in zip(args.prompt, saved, strict=True):
+            print(f"{path}: {num_tokens} tokens saved to {engine_args.prefix_cache_dir}")
+    llm.close()
     return 0
 
 
@@ -204,6 +223,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         os.execve(sys.executable, [sys.executable, "-c", code, *sys.argv[1:]], env)
     if args.workload == "spec":
         return _bench_spec(args)
+    if args.workload == "prefix":
+        return _bench_prefix(args)
     model_dir = args.model or bench.bench_checkpoint(args.shape, args.dtype, args.checkpoint_dtype)
     workload = bench.WORKLOADS[args.workload]
     cache_dir = None if args.no_cache else "auto"
@@ -262,6 +283,25 @@ def _bench_spec(args: argparse.Namespace) -> int:
     rows = run_spec(base, spec, repeats=args.repeats)
     print(_bench_header(spec.config))
     print(format_spec(rows, f"speculative_config {spec.config.speculative_config}"))
+    return 0
+
+
+def _bench_prefix(args: argparse.Namespace) -> int:
+    """W-PREFIX (`ember.tools.bench_prompt_cache`): TTFT of a long shared prefix cold, warm in
+    process and after a restart from the disk tier (a temporary `prefix_cache_dir`)."""
+    from ember.tools.bench_prompt_cache import run_prefix  # noqa: PLC0415
+
+    overrides = {"max_position_embeddings": args.prefix_len + 1024}
+    model_dir = args.model or bench.bench_checkpoint(
+        args.shape, args.dtype, args.checkpoint_dtype, **overrides
+    )
+    cache_dir = None if args.no_cache else "auto"
+    engine_args = EngineArgs.from_cli_args(args, model=model_dir, compile_cache_dir=cache_dir)
+    kwargs = dataclasses.asdict(engine_args)
+    del kwargs["model"]
+    result = run_prefix(model_dir, kwargs, args.prefix_len, repeats=args.repeats)
+    print(_bench_header(engine_args.create_engine_config()))
+    print(result.summary())
     return 0
 
 
@@ -334,6 +374,14 @@ def _add_generate_parsers(sub: Any) -> None:
         default=None,
         help=f"compile cache dir (default {default_compile_cache_dir()})",
     )
+    warm.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="also compute this file's text (a system prompt, tool definitions) and save its "
+        "K/V blocks to --prefix-cache-dir, so later engines start with them (repeatable)",
+    )
     warm.set_defaults(func=cmd_warmup)
 
 
@@ -342,10 +390,15 @@ def _add_bench_parser(sub: Any) -> None:
     _add_engine_args(bench_p, skip=("compile_cache_dir",))
     bench_p.add_argument(
         "--workload",
-        choices=["thru", "lat", "spec"],
+        choices=["thru", "lat", "spec", "prefix"],
         default="lat",
         help="spec: speculative decoding (--speculative-config) against plain decoding on "
-        "input-grounded chat tasks, on the given model or the default one",
+        "input-grounded chat tasks, on the given model or the default one; prefix: TTFT of a "
+        "long shared prefix (--prefix-len) cold, warm and after a restart from the prefix "
+        "cache's disk tier",
+    )
+    bench_p.add_argument(
+        "--prefix-len", type=int, default=4000, help="W-PREFIX's shared prefix, tokens"
     )
     bench_p.add_argument(
         "--shape",

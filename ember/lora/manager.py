@@ -8,6 +8,7 @@ more than `max_loras` distinct adapters.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 
 import torch
@@ -30,11 +31,10 @@ class LoRAManager:
         self.max_rank = max_rank
         self.shapes = {n: (m.base.in_features, m.base.out_features) for n, m in wrapped.items()}
         self.adapters: dict[int, tuple[LoRARequest, LoRAWeights]] = {}
-        # lora id -> the load generation of the adapter now under that id: a different adapter
-        # added under an id that was removed gets a new one, so prefix-cache keys salted with
-        # it never match K/V that the old adapter computed.
-        self.generation: dict[int, int] = {}
-        self._loads = 0
+        # lora id -> a digest of the adapter now under that id (its modules' A and B as
+        # loaded): prefix-cache keys are salted with it, so K/V one adapter computed are never
+        # read under another, in this process or, on disk, in a later one.
+        self.digest: dict[int, bytes] = {}
         # lora id -> slot, least recently used first.
         self.resident: OrderedDict[int, int] = OrderedDict()
         self.num_swaps = 0
@@ -51,14 +51,13 @@ class LoRAManager:
             return
         weights = load_adapter(request, self.shapes, self.max_rank)
         self.adapters[request.lora_int_id] = (request, weights)
-        self._loads += 1
-        self.generation[request.lora_int_id] = self._loads
+        self.digest[request.lora_int_id] = adapter_digest(weights)
 
     def remove(self, lora_id: int) -> bool:
         slot = self.resident.pop(lora_id, None)
         if slot is not None:
             self._clear(slot)
-        self.generation.pop(lora_id, None)
+        self.digest.pop(lora_id, None)
         return self.adapters.pop(lora_id, None) is not None
 
     def requests(self) -> list[LoRARequest]:
@@ -109,3 +108,15 @@ class LoRAManager:
         if slots is not None:
             self.token_slots[:n] = slots
         self.token_slots[n:] = -1
+
+
+def adapter_digest(weights: LoRAWeights) -> bytes:
+    """sha256 over each wrapped module's name and its A and B (scaling folded in) as loaded:
+    equal only for adapters whose every delta is equal."""
+    h = hashlib.sha256()
+    for name in sorted(weights.modules):
+        h.update(name.encode())
+        for t in weights.modules[name]:
+            h.update(f"{tuple(t.shape)}{t.dtype}".encode())
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.digest()

@@ -11,6 +11,10 @@ reads the cache, so a request that hits a block filled by another request in the
 the right values. Until that step has run, such a block is *pending*: `commit` (the step ran)
 makes the pending blocks ordinary cache entries, `drop_pending` (the step failed, so their K/V
 were never or only partly written) removes them from the prefix cache.
+
+A second tier (`PrefixTier`, the disk store) may sit below: a prompt's blocks past its
+in-memory hits are looked up there and read into free blocks, which then enter the prefix cache
+as ordinary (committed) entries; blocks are offered to it once the step that filled them ran.
 """
 
 from __future__ import annotations
@@ -18,10 +22,22 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
 
 from ember.attention.metadata import NULL_BLOCK
 
-__all__ = ["NULL_BLOCK", "BlockManager", "hash_block"]
+__all__ = ["NULL_BLOCK", "BlockManager", "PrefixTier", "hash_block"]
+
+
+class PrefixTier(Protocol):
+    """Where full blocks outlive the in-memory prefix cache (`DiskPrefixStore`). Safety rule:
+    `read` returns True only when the block now holds exactly the K/V `block_hash` names;
+    `save` copies what it needs before returning (the blocks may be reused at once)."""
+
+    def read(self, block: int, block_hash: bytes) -> bool: ...
+
+    def save(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> None: ...
 
 
 def hash_block(parent: bytes, token_ids: list[int], extra: bytes = b"") -> bytes:
@@ -35,7 +51,7 @@ def hash_block(parent: bytes, token_ids: list[int], extra: bytes = b"") -> bytes
 class BlockManager:
     """Owns block ids, ref counts and prefix hashes for `num_blocks` blocks of `block_size`."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, tier: PrefixTier | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -49,6 +65,7 @@ class BlockManager:
         self._req_hashes: dict[str, list[bytes]] = {}
         self._req_num_hashed: dict[str, int] = {}
         self._pending: list[int] = []  # blocks registered since the last `commit`
+        self.tier = tier
 
     @property
     def num_usable_blocks(self) -> int:
@@ -76,13 +93,44 @@ class BlockManager:
         At least one token is always left to compute, so the last logits can be produced.
         """
         max_blocks = (len(token_ids) - 1) // self.block_size
+        hashes = self._hashes(request_id, token_ids, extra)[:max_blocks]
         hits: list[int] = []
-        for h in self._hashes(request_id, token_ids, extra)[:max_blocks]:
+        for h in hashes:
             block = self._cached.get(h)
             if block is None:
                 break
             hits.append(block)
+        if self.tier is not None and len(hits) < len(hashes):
+            hits += self._promote(hashes[len(hits) :], set(hits))
         return hits
+
+    def _promote(self, hashes: list[bytes], keep: set[int]) -> list[int]:
+        """Read the blocks of `hashes` (in order, up to the first the tier lacks) from the tier
+        into free blocks (never those in `keep`, this prompt's hits), and register them as
+        committed cache entries, free and most recently used. Returns them."""
+        assert self.tier is not None
+        promoted: list[int] = []
+        for h in hashes:
+            if h in self._cached:  # an earlier miss filled by now? the chain is broken anyway
+                break
+            block = next((b for b in self._free if b not in keep), None)
+            if block is None:
+                break
+            del self._free[block]
+            old = self._block_hash[block]
+            if old is not None:
+                del self._cached[old]
+                self._block_hash[block] = None
+            if not self.tier.read(block, h):
+                self._free[block] = None
+                self._free.move_to_end(block, last=False)  # holds nothing: reused first
+                break
+            self._block_hash[block] = h
+            self._cached[h] = block
+            self._free[block] = None  # the back: evicted last
+            keep.add(block)
+            promoted.append(block)
+        return promoted
 
     def allocate(
         self,
@@ -150,7 +198,12 @@ class BlockManager:
         self._req_num_hashed[request_id] = num_full
 
     def commit(self) -> None:
-        """The step that fills the pending blocks has run: their K/V are valid cache entries."""
+        """The step that fills the pending blocks has run: their K/V are valid cache entries
+        (offered to the tier, if any)."""
+        if self.tier is not None and self._pending:
+            saved = [(b, self._block_hash[b]) for b in self._pending]
+            blocks = [b for b, h in saved if h is not None]
+            self.tier.save(blocks, [h for _, h in saved if h is not None])
         self._pending.clear()
 
     def drop_pending(self) -> None:

@@ -123,6 +123,20 @@ class EngineArgs:
         default=False,
         metadata=_help("let inductor fold and prepack weights (faster GEMMs; not cacheable)"),
     )
+    prefix_cache_dir: str | None = field(
+        default=None,
+        metadata=_help(
+            "keep the prefix cache's full KV blocks in this directory too (created 0700), so a "
+            "restarted engine, another worker or `ember generate` on the same model and "
+            "settings reads a known prompt prefix back instead of computing it; default: off"
+        ),
+    )
+    prefix_cache_gib: float = field(
+        default=16.0,
+        metadata=_help(
+            "size cap of prefix_cache_dir, GiB: past it the least recently used blocks go"
+        ),
+    )
     background_compile: bool = field(
         default=False,
         metadata=_help(
@@ -253,6 +267,8 @@ class EngineArgs:
             regional_compile=self.regional_compile,
             compile_cache_dir=_compile_cache_dir(self.compile_cache_dir, self.freeze_weights),
             freeze_weights=self.freeze_weights,
+            prefix_cache_dir=self.prefix_cache_dir or None,
+            prefix_cache_gib=self.prefix_cache_gib,
             token_buckets=buckets or (1,),
             max_logprobs=self.max_logprobs,
             attention_backend=backend.name,
@@ -456,6 +472,8 @@ class EngineConfig:
     regional_compile: bool | None = None  # None: by layer count (`ember.compile.regions`)
     # Quantized linears quantize their input to int8 (False: fp32 activations, int8 only).
     quantize_activations: bool = True
+    prefix_cache_dir: str | None = None  # the prefix cache's disk tier (None: none)
+    prefix_cache_gib: float = 16.0
 
     def __post_init__(self) -> None:
         self._check_sizes()
@@ -469,6 +487,7 @@ class EngineConfig:
 
     def _check_sizes(self) -> None:
         _check_range("kv_cache_gib", self.kv_cache_gib, 1e-6, 1024)
+        _check_range("prefix_cache_gib", self.prefix_cache_gib, 1e-6, 1 << 20)
         _check_int("block_size", self.block_size, 1, 1024)
         if self.block_size & (self.block_size - 1):
             raise ValueError(

@@ -38,6 +38,7 @@ from ember.runtime.outputs import (
     RequestOutput,
 )
 from ember.runtime.pooling import load_pooling_config
+from ember.runtime.prefix_store import open_prefix_store
 from ember.runtime.request import Request, RequestStatus, SamplingParams
 from ember.runtime.scheduler import Scheduler
 from ember.runtime.speculative import NgramProposer, Proposer, SpecState, SpeculativeConfig
@@ -100,15 +101,6 @@ class LLMEngine:
             self.other_eos_ids | ({self.eos_token_id} if self.eos_token_id is not None else set())
         )
         self.default_sampling = _sampling_defaults(model, config.generation_config)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            config.max_model_len,
-            config.max_loras if config.enable_lora else 0,
-            self._proposer(config.speculative_config, draft),
-        )
         self.lora: LoRAManager | None = None
         if loaded.lora is not None:
             assert loaded.lora_layers is not None and loaded.lora_token_slots is not None
@@ -120,6 +112,18 @@ class LLMEngine:
             )
         pooling = load_pooling_config(config.model, config.task)
         self.runner = ModelRunner(loaded, config, num_blocks, pooling, self.lora)
+        # The prefix cache's disk tier (`prefix_cache_dir`): reads into and copies from the
+        # runner's KV tensors.
+        self.prefix_store = open_prefix_store(config, loaded, self.runner.kv_caches)
+        self.block_manager = BlockManager(num_blocks, config.block_size, self.prefix_store)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_model_len,
+            config.max_loras if config.enable_lora else 0,
+            self._proposer(config.speculative_config, draft),
+        )
         self.input_processor = InputProcessor(
             config,
             self.tokenizer,
@@ -219,13 +223,13 @@ class LLMEngine:
                     f"request_id {request_id!r} with n={params.n} needs sequence id {child!r}, "
                     f"which request {self.output_processor.child_to_parent[child]!r} is using"
                 )
-        lora_id, lora_generation = None, 0
+        lora_id, lora_digest = None, b""
         if lora_request is not None:
             if self.lora is None:
                 raise ValueError("lora_request needs an engine built with enable_lora=True")
             self.lora.add(lora_request)
             lora_id = lora_request.lora_int_id
-            lora_generation = self.lora.generation[lora_id]
+            lora_digest = self.lora.digest[lora_id]
         if self.config.task in POOLED_TASKS:
             arch = self.config.model_spec.architecture
             kind = {
@@ -247,7 +251,7 @@ class LLMEngine:
                 encoder_token_ids=prompt_in.encoder_token_ids,
                 images=prompt_in.images,
                 lora_id=lora_id,
-                lora_generation=lora_generation,
+                lora_digest=lora_digest,
                 detokenizer=IncrementalDetokenizer(
                     self.tokenizer, token_ids, params.skip_special_tokens
                 ),
@@ -401,6 +405,8 @@ class LLMEngine:
         requests or stepping afterwards raises RuntimeError."""
         for request_id in list(self.output_processor.parents):
             self.abort_request(request_id)
+        if self.prefix_store is not None:
+            self.prefix_store.close()  # what the last steps filled is written first
         self.runner.close()
         if self.scheduler.proposer is not None:
             self.scheduler.proposer.close()

@@ -201,6 +201,25 @@ class LLM:
             raise ValueError(f"LoRA {lora_int_id} is in use by unfinished requests")
         return lora.remove(lora_int_id)
 
+    def save_prefix(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[int]:
+        """Compute the prompts' K/V and write their full blocks to the prefix cache's disk
+        tier (`prefix_cache_dir`), returning once they are on disk: a later engine on this
+        model and directory then starts with them (a system prompt, tool definitions; `ember
+        warmup --prompt FILE`). Returns how many tokens of each prompt are saved (its full
+        blocks). ValueError without `prefix_cache_dir`."""
+        store = self.llm_engine.prefix_store
+        if store is None:
+            raise ValueError("save_prefix needs an engine with prefix_cache_dir set")
+        one = SamplingParams(max_tokens=1, temperature=0.0)
+        outs = self.generate(prompts, one, use_tqdm=False, lora_request=lora_request)
+        store.flush()
+        size = self.config.block_size
+        return [len(o.prompt_token_ids) // size * size for o in outs]
+
     def list_loras(self) -> list[LoRARequest]:
         lora = self.llm_engine.lora
         return lora.requests() if lora is not None else []

@@ -255,7 +255,7 @@ class Request:
     # admission; their K/V live in the request's cross blocks too).
     images: ImageInputs | None = None
     lora_id: int | None = None
-    lora_generation: int = 0  # LoRAManager.generation of the adapter: part of the cache salt
+    lora_digest: bytes = b""  # LoRAManager.digest of the adapter: part of the cache salt
     pool: bool = False
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""
@@ -279,10 +279,8 @@ class Request:
             self.cache_salt = hashlib.sha256(b"encoder:" + ids).digest()
         if self.images is not None:  # every token's K/V depends on the images
             self.cache_salt = hashlib.sha256(b"images:" + self.images.digest).digest()
-        if self.lora_id is not None:  # two adapters (or two loads of one id) never share KV
-            self.cache_salt = hashlib.sha256(
-                self.cache_salt + f"lora:{self.lora_id}:{self.lora_generation}".encode()
-            ).digest()
+        if self.lora_id is not None:  # two adapters never share KV (the same one may)
+            self.cache_salt = hashlib.sha256(self.cache_salt + b"lora:" + self.lora_digest).digest()
 
     @property
     def num_encoder_tokens(self) -> int:

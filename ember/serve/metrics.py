@@ -16,6 +16,19 @@ from ember.runtime.outputs import RequestOutput
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
+_DISK_COUNTERS = {
+    "hits": "KV blocks read back from the prefix cache's directory",
+    "misses": "prompts whose next block the directory did not hold",
+    "errors": "entries refused (another model's, truncated, corrupted)",
+    "bytes_read": "bytes of KV blocks read from the directory",
+    "read_seconds": "time spent reading KV blocks from the directory",
+    "bytes_written": "bytes of KV blocks written to the directory",
+    "blocks_written": "KV blocks written to the directory",
+    "evictions": "entries deleted to keep the directory under its size cap",
+    "dropped": "blocks not written because the writer was behind",
+}
+
+
 @dataclass
 class _Timing:
     arrival: float
@@ -71,6 +84,12 @@ class EngineMetrics:
             "ember_spec_decode_num_accepted_tokens", "draft tokens accepted", registry=r
         )
         self._spec_seen = (0, 0, 0)
+        # The prefix cache's disk tier (`prefix_cache_dir`): `PrefixStoreStats`' counters.
+        self.disk = {
+            name: Counter(f"ember_prefix_cache_disk_{name}", text, registry=r)
+            for name, text in _DISK_COUNTERS.items()
+        }
+        self._disk_seen: dict[str, float] = dict.fromkeys(_DISK_COUNTERS, 0)
 
     def arrived(self, request_id: str) -> None:
         self._timing[request_id] = _Timing(time.perf_counter())
@@ -117,3 +136,8 @@ class EngineMetrics:
             if now > seen:
                 counter.inc(now - seen)
         self._spec_seen = totals
+        if engine.prefix_store is not None:
+            for name, now in engine.prefix_store.stats.as_dict().items():
+                if now > self._disk_seen[name]:
+                    self.disk[name].inc(now - self._disk_seen[name])
+                    self._disk_seen[name] = now

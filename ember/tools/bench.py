@@ -55,18 +55,20 @@ class Result:
 
 
 def bench_checkpoint(
-    shape: str, dtype: str = "float32", checkpoint_dtype: str | None = None
+    shape: str, dtype: str = "float32", checkpoint_dtype: str | None = None, **overrides: Any
 ) -> str:
     """The random-init checkpoint of `shape` the benchmarks run with engine dtype `dtype`,
     stored in `checkpoint_dtype` (default: fp32 for "float32" and "int8" engines, which
-    quantise the fp32 one; else bf16, as most checkpoints are); built once under the user cache
-    dir."""
+    quantise the fp32 one; else bf16, as most checkpoints are), with config `overrides`
+    (`max_position_embeddings=8192`); built once under the user cache dir."""
     name = checkpoint_dtype or ("float32" if dtype in ("float32", "int8") else "bfloat16")
+    suffix = "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
     return build_checkpoint(
-        user_cache_dir("models", f"{shape}-{name}"),
+        user_cache_dir("models", f"{shape}-{name}{suffix}"),
         shape,
         dtype=getattr(torch, name),
         initializer_range=0.02,
+        **overrides,
     )
 
 

@@ -247,7 +247,7 @@ def test_add_remove_list_loras_and_disabled_engine(setup, checkpoint_dir):
 def test_a_different_adapter_under_a_reused_id_never_reads_the_old_ones_cached_kv(setup):
     """Remove adapter id 1 and add another adapter under id 1: the same prompt must not hit the
     prefix-cache blocks the first adapter computed (the cache salt carries the load
-    generation, not just the id)."""
+    digest, not just the id)."""
     base, loras = setup
     llm = _eager_lora_llm(base)
     prompt = make_prompts(1, seed=11, low=24, high=25)[0]
