@@ -109,6 +109,9 @@ class AsyncLLMEngine:
             self._stopped = True
             self._cond.notify()
         self._thread.join(timeout=30)
+        store = self.engine.prefix_store
+        if store is not None and not self._thread.is_alive():
+            store.flush()  # the blocks of the last steps reach the disk before the exit
 
     @property
     def num_requests(self) -> int:

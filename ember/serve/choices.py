@@ -27,6 +27,7 @@ from ember.serve.protocol import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
+    PromptTokensDetails,
     Usage,
 )
 
@@ -63,10 +64,11 @@ class ChoiceBuilder:
         reasons: dict[int, str | None] = {}
         entries: dict[int, list[dict[int, Logprob]]] = {}
         echoes: dict[int, RequestOutput] = {}  # the output whose prompt each choice echoes
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached_tokens = 0
         for p, outs in enumerate(outputs):
             if outs:
                 prompt_tokens += len(outs[0].prompt_token_ids)
+                cached_tokens += outs[0].num_cached_tokens
             for out in outs:
                 for c in out.outputs:
                     idx = p * self.n + c.index
@@ -78,7 +80,7 @@ class ChoiceBuilder:
                 echoes.update((p * self.n + i, outs[-1]) for i in range(self.n))
         joined = {i: ("".join(texts[i]), entries[i], reasons[i]) for i in sorted(texts)}
         head = {"id": self.rid, "created": self.created, "model": self.model,
-                "usage": usage(prompt_tokens, completion_tokens)}  # fmt: skip
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}  # fmt: skip
         if self.chat:
             chat = [self._chat_choice(i, *joined[i]) for i in joined]
             return ChatCompletionResponse(**head, choices=chat)
@@ -224,9 +226,13 @@ class ChoiceBuilder:
         return _prompt_logprobs(self.tokenizer, out.prompt_token_ids, out.prompt_logprobs)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    """OpenAI's usage, with `prompt_tokens_details.cached_tokens` as OpenAI (and vLLM)
+    report the prompt tokens a cache held."""
+    details = PromptTokensDetails(cached_tokens=cached_tokens)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens)  # fmt: skip
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=details)  # fmt: skip
 
 
 def _finish_reason(called: bool, finish_reason: str | None) -> str | None:

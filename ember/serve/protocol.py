@@ -226,10 +226,15 @@ class ErrorResponse(_Body):
     error: ErrorInfo
 
 
+class PromptTokensDetails(_Body):
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (memory or disk)
+
+
 class Usage(_Body):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(_Body):

@@ -594,18 +594,19 @@ async def _events(
 ) -> AsyncIterator[str]:
     """Server-sent events: one chunk per step and sequence with new text, then `[DONE]`.
     Prompts stream one after another (each runs in the engine from the start)."""
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = cached_tokens = 0
     try:
         for chunk in build.first_chunks():
             yield _event(chunk)
         for p, (stream, first) in enumerate(streams):
             async for out in _prepend(first, stream):
                 prompt_tokens += len(out.prompt_token_ids) if out.finished else 0
+                cached_tokens += out.num_cached_tokens if out.finished else 0
                 completion_tokens += sum(len(c.token_ids) for c in out.outputs)
                 for chunk in build.chunks(p, out, echo):
                     yield _event(chunk)
         if include_usage:
-            yield _event(build.chunk([], usage(prompt_tokens, completion_tokens)))
+            yield _event(build.chunk([], usage(prompt_tokens, completion_tokens, cached_tokens)))
         yield "data: [DONE]\n\n"
     finally:  # a client gone mid-stream: every request still running is aborted
         for stream, _ in streams:

@@ -151,3 +151,34 @@ def test_ember_generate_twice_reads_the_prompt_back(checkpoint_dir, tmp_path, ca
     assert " 0 blocks read" not in second and "prompt tokens cached" in second
     text = [line for line in first.splitlines() if line.startswith("'")]
     assert text and text == [line for line in second.splitlines() if line.startswith("'")]
+
+
+def test_a_restarted_server_reads_the_prefix_back(checkpoint_dir, tmp_path):
+    """`ember serve` twice on one directory (each stopped as a server stops): the second
+    answers the same prompt with it cached (usage's cached tokens, the disk counters)."""
+    import openai
+
+    from ember.runtime.config import EngineArgs
+    from ember.runtime.engine import LLMEngine
+    from ember.serve.async_engine import AsyncLLMEngine
+    from ember.serve.server import build_app
+    from tests.e2e.servers import metrics, serve_in_thread
+
+    model = checkpoint_dir("tiny-llama")
+    kw = {k: v for k, v in EAGER.items() if k != "use_tqdm"}
+    args = EngineArgs(model=model, prefix_cache_dir=str(tmp_path / "pc"), **kw)
+    prompt = make_prompts(1, seed=10, low=30, high=31)[0]
+    answers = []
+    for _ in range(2):
+        engine = AsyncLLMEngine(LLMEngine.from_config(args.create_engine_config(), False))
+        with serve_in_thread(build_app(engine, "tiny")) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            answers.append(client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=2
+            ))  # fmt: skip
+            counters = metrics(url)
+        engine.shutdown()
+    cold, warm = answers
+    assert warm.choices[0].text == cold.choices[0].text
+    assert warm.usage.prompt_tokens_details.cached_tokens == 28
+    assert counters["ember_prefix_cache_disk_hits_total"] == 7
