@@ -31,9 +31,13 @@ __all__ = ["NULL_BLOCK", "BlockManager", "PrefixTier", "hash_block"]
 
 
 class PrefixTier(Protocol):
-    """Where full blocks outlive the in-memory prefix cache (`DiskPrefixStore`). Safety rule:
+    """Where full blocks outlive the in-memory prefix cache (`DiskPrefixStore`). `prefetch`
+    may start reading the entries of `hashes` (a prompt's next blocks, in order) so that the
+    `read`s that follow wait less. Safety rule:
     `read` returns True only when the block now holds exactly the K/V `block_hash` names;
     `save` copies what it needs before returning (the blocks may be reused at once)."""
+
+    def prefetch(self, hashes: Sequence[bytes]) -> None: ...
 
     def read(self, block: int, block_hash: bytes) -> bool: ...
 
@@ -109,6 +113,7 @@ class BlockManager:
         into free blocks (never those in `keep`, this prompt's hits), and register them as
         committed cache entries, free and most recently used. Returns them."""
         assert self.tier is not None
+        self.tier.prefetch(hashes)
         promoted: list[int] = []
         for h in hashes:
             if h in self._cached:  # an earlier miss filled by now? the chain is broken anyway

@@ -68,7 +68,7 @@ class PrefixStoreStats:
     misses: int = 0
     errors: int = 0
     bytes_read: int = 0
-    read_seconds: float = 0.0  # in `read` (open, read, checksum), hits and errors alike
+    read_seconds: float = 0.0  # in `prefetch` and `read` (open, read, checksum)
     bytes_written: int = 0
     blocks_written: int = 0
     evictions: int = 0
@@ -177,6 +177,26 @@ class DiskPrefixStore:
         for b in buffers:
             h.update(b)
         return None if h.intdigest() == checksum else "its checksum does not match"
+
+    def prefetch(self, hashes: Sequence[bytes]) -> None:
+        """Ask the kernel to read the entries of `hashes` (up to the first missing) into the
+        page cache in the background (POSIX_FADV_WILLNEED): the disk then serves them many at
+        a time, where `read` alone would wait for one after the other. Counted in
+        `stats.read_seconds`."""
+        start = time.perf_counter()
+        for block_hash in hashes:
+            try:
+                fd = os.open(self.path(block_hash), os.O_RDONLY)
+            except OSError:
+                break
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        with self._lock:
+            self.stats.read_seconds += time.perf_counter() - start
 
     def contains(self, block_hash: bytes) -> bool:
         return os.path.exists(self.path(block_hash))

@@ -220,6 +220,9 @@ class FakeTier:
         self.contents = contents
         self.saved: list[tuple[int, bytes]] = []
 
+    def prefetch(self, hashes) -> None:
+        pass
+
     def read(self, block: int, block_hash: bytes) -> bool:
         if block_hash not in self.entries or self.entries[block_hash] < 0:
             return False
