@@ -1,12 +1,14 @@
 """Scale-out with Ray on a local Ray instance started by the test (2 CPUs): a Ray Serve
 application of 2 ember replicas answers requests routed to both, with the same greedy outputs as
-offline `LLM.generate`, and Ray Data's `map_batches` with `EmberPredictor` equals it too. About
+offline `LLM.generate`, one replica reads the prompt blocks the other wrote to their shared
+`prefix_cache_dir`, and Ray Data's `map_batches` with `EmberPredictor` equals it too. About
 40 s on 2 cores, so it stays in the default run."""
 
 from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.request
 
 import fastapi  # noqa: F401  (Ray Serve's HTTP proxy)
@@ -25,7 +27,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ray_serve_replicas_and_ray_data_match_offline_generate(checkpoint_dir):
+def _complete(port: int, body: dict) -> tuple[str, dict]:
+    """(the replica that answered, the response) of a /v1/completions request."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return r.headers["x-ember-replica"], json.loads(r.read())
+
+
+def _shared_prefix_is_read_across_replicas(port: int, greedy: dict) -> None:
+    """The replicas share one `prefix_cache_dir`: the first time a replica sees a long prompt
+    that the other one already answered, its blocks come from the directory (a replica's
+    in-memory cache cannot hold them yet)."""
+    prompt = list(range(5, 45))  # 40 tokens: two full 16-token blocks
+    first, seen = None, set()
+    for _ in range(12):
+        replica, out = _complete(port, {"model": "tiny", "prompt": prompt, **greedy})
+        cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+        if first is None:
+            first = replica
+            assert cached == 0
+        elif replica not in seen and replica != first:
+            assert cached == 32, "the other replica read the blocks from the directory"
+            return
+        seen.add(replica)
+        time.sleep(0.3)  # the writer thread puts the blocks on disk meanwhile
+    raise AssertionError(f"every request went to replica {first}")
+
+
+def test_ray_serve_replicas_and_ray_data_match_offline_generate(checkpoint_dir, tmp_path):
     from ray import serve
 
     from ember.serve.ray import EmberPredictor, deployment
@@ -39,19 +71,16 @@ def test_ray_serve_replicas_and_ray_data_match_offline_generate(checkpoint_dir):
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = deployment(d, num_replicas=2, served_model_name="tiny", num_cpus=0.5, threads=1,
-                         **ENGINE)  # fmt: skip
+                         prefix_cache_dir=str(tmp_path / "prompts"), **ENGINE)  # fmt: skip
         serve.run(app, route_prefix="/", name="ember")
         replicas = set()
         for i in range(16):
             body = {"model": "tiny", "prompt": PROMPTS[i % 4], **greedy}
-            req = urllib.request.Request(
-                f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json"},
-            )  # fmt: skip
-            with urllib.request.urlopen(req, timeout=60) as r:
-                replicas.add(r.headers["x-ember-replica"])
-                assert json.loads(r.read())["choices"][0]["text"] == want[i % 4]
+            replica, out = _complete(port, body)
+            replicas.add(replica)
+            assert out["choices"][0]["text"] == want[i % 4]
         assert len(replicas) == 2  # Serve routed requests to both replicas
+        _shared_prefix_is_read_across_replicas(port, greedy)
         serve.shutdown()
         ds = ray.data.from_items([{"prompt": p} for p in PROMPTS])
         rows = ds.map_batches(
