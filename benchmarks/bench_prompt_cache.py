@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from ember.tools.bench import bench_checkpoint
+from ember.tools import bench
 from ember.tools.bench_prompt_cache import run_prefix
 
 PREFIX_LEN = 4000
@@ -17,7 +17,7 @@ PREFIX_LEN = 4000
 
 @pytest.mark.parametrize(("shape", "dtype"), [("llama-160m", "float32"), ("llama-1b", "bfloat16")])
 def bench_prompt_cache(benchmark, shape, dtype):
-    model = bench_checkpoint(shape, dtype, max_position_embeddings=PREFIX_LEN + 1024)
+    model = bench.bench_checkpoint(shape, dtype, max_position_embeddings=PREFIX_LEN + 1024)
     results = []
     benchmark.pedantic(
         lambda: results.append(run_prefix(model, {"dtype": dtype}, PREFIX_LEN, repeats=1)),

@@ -102,6 +102,7 @@ def test_benchmark_suites_import_and_attention_smoke():
             "--collect-only",
             "benchmarks/bench_embed.py",
             "benchmarks/bench_lora.py",
+            "benchmarks/bench_prompt_cache.py",
             "benchmarks/bench_startup.py",
             "benchmarks/bench_workloads.py",
         ],
@@ -112,6 +113,7 @@ def test_benchmark_suites_import_and_attention_smoke():
     assert collect.returncode == 0, collect.stdout[-2000:]
     # Only benchmarks: a helper imported under a bench_* name would be collected (and fail).
     assert "bench_checkpoint" not in collect.stdout and "bench_warm_start" in collect.stdout
+    assert "bench_prompt_cache[llama-1b-bfloat16]" in collect.stdout
 
 
 @pytest.mark.slow  # compiles ember (~30 s)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import fastapi
 import jsonschema
@@ -366,17 +364,24 @@ def test_bad_tool_requests_are_400s_with_clear_messages(server):
     assert r.choices[0].finish_reason == "length"  # the server is still up
 
 
-def test_serve_flags(model_dir):
+def test_serve_flags(model_dir, capsys, monkeypatch):
     """`ember serve` with an unknown parser, or auto tool choice without a parser, exits
     with a clear message before building the engine; with both it serves tool calls."""
-    base = [sys.executable, "-m", "ember.cli", "serve", model_dir, "--no-compile",
-            "--kv-cache-gib", "0.05", "--max-model-len", "512"]  # fmt: skip
-    bad = subprocess.run(base + ["--tool-call-parser", "nope"], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
-    assert bad.returncode == 2 and "nope" in bad.stderr and "hermes" in bad.stderr, bad.stderr
-    bad = subprocess.run(base + ["--enable-auto-tool-choice"], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
-    assert bad.returncode == 2 and "--tool-call-parser" in bad.stderr, bad.stderr
+    from ember import cli
+    from ember.runtime import engine
+
+    def never(*args, **kwargs):
+        raise AssertionError("the engine was built before the flags were checked")
+
+    base = ["serve", model_dir, "--no-compile", "--kv-cache-gib", "0.05", "--max-model-len", "512"]
+    with monkeypatch.context() as m:  # in this process: the same code as `ember serve`'s
+        m.setattr(engine.LLMEngine, "from_config", never)
+        assert cli.main(base + ["--tool-call-parser", "nope"]) == 2
+        err = capsys.readouterr().err
+        assert "nope" in err and "hermes" in err, err
+        assert cli.main(base + ["--enable-auto-tool-choice"]) == 2
+        err = capsys.readouterr().err
+        assert "--tool-call-parser" in err, err
     proc, url = start_serve([model_dir, "--no-compile", "--kv-cache-gib", "0.05", "--max-model-len",
                         "512", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
                        dict(os.environ), timeout=120)  # fmt: skip
