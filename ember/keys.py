@@ -39,6 +39,10 @@ def sources_fingerprint() -> str:
     return h.hexdigest()
 
 
+def parts_digest(parts: dict[str, Any]) -> bytes:
+    """sha256 of a cache key's parts (JSON values), whatever their order."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).digest()
+
+
 def entry_dir(cache_dir: str, parts: dict[str, Any]) -> str:
-    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
-    return os.path.join(cache_dir, key)
+    return os.path.join(cache_dir, parts_digest(parts).hex()[:24])

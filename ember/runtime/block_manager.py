@@ -206,9 +206,8 @@ class BlockManager:
         """The step that fills the pending blocks has run: their K/V are valid cache entries
         (offered to the tier, if any)."""
         if self.tier is not None and self._pending:
-            saved = [(b, self._block_hash[b]) for b in self._pending]
-            blocks = [b for b, h in saved if h is not None]
-            self.tier.save(blocks, [h for _, h in saved if h is not None])
+            blocks = [b for b in self._pending if self._block_hash[b] is not None]
+            self.tier.save(blocks, [self._block_hash[b] for b in blocks])  # type: ignore[misc]
         self._pending.clear()
 
     def drop_pending(self) -> None:

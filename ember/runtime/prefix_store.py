@@ -36,7 +36,7 @@ import xxhash
 
 from ember.host.dirs import private_dir
 from ember.host.isa import cpu_target
-from ember.keys import file_identity, sources_fingerprint
+from ember.keys import file_identity, parts_digest, sources_fingerprint
 from ember.model.packed_cache import checkpoint_files, config_digest
 
 if TYPE_CHECKING:
@@ -78,18 +78,19 @@ class PrefixStoreStats:
         return dict(self.__dict__)
 
 
+def _checksum(buffers: Sequence[Any]) -> int:
+    """xxh3-64 of the buffers, one after the other (an entry's payload)."""
+    h = xxhash.xxh3_64()
+    for b in buffers:
+        h.update(b)
+    return h.intdigest()
+
+
 @dataclass
 class _Job:
     hashes: list[bytes]
     # per layer: [2, n, block bytes] (K, V) copies of the blocks
     staged: list[torch.Tensor] = field(default_factory=list)
-
-
-def model_key(parts: dict[str, Any]) -> bytes:
-    """The 32-byte key every entry of one model, as built and run, carries (see
-    `LLMEngine`'s `_prefix_store_key`): the same sorted parts give the same key."""
-    text = repr(sorted(parts.items()))
-    return hashlib.sha256(text.encode()).digest()
 
 
 class DiskPrefixStore:
@@ -173,10 +174,7 @@ class DiskPrefixStore:
         buffers = [a[kv, block] for a in self._arrays for kv in (0, 1)]
         if os.readv(fd, buffers) != nbytes:
             return "truncated"
-        h = xxhash.xxh3_64()
-        for b in buffers:
-            h.update(b)
-        return None if h.intdigest() == checksum else "its checksum does not match"
+        return None if _checksum(buffers) == checksum else "its checksum does not match"
 
     def prefetch(self, hashes: Sequence[bytes]) -> None:
         """Ask the kernel to read the entries of `hashes` (up to the first missing) into the
@@ -238,10 +236,12 @@ class DiskPrefixStore:
             try:
                 if job is None:
                     return
-                for i, h in enumerate(job.hashes):
-                    self._write(h, [s[kv, i].numpy() for s in job.staged for kv in (0, 1)])
-                with self._lock:
-                    self._queued_bytes -= len(job.hashes) * self.block_bytes
+                try:
+                    for i, h in enumerate(job.hashes):
+                        self._write(h, [s[kv, i].numpy() for s in job.staged for kv in (0, 1)])
+                finally:  # written or failed, the copies no longer wait
+                    with self._lock:
+                        self._queued_bytes -= len(job.hashes) * self.block_bytes
                 self._evict_if_full()
             except Exception:  # a full disk, a removed directory: never the engine's failure
                 logger.exception("prefix cache: writing to %s failed", self.directory)
@@ -252,11 +252,8 @@ class DiskPrefixStore:
         path = self.path(block_hash)
         if os.path.exists(path):
             return
-        h = xxhash.xxh3_64()
-        for b in buffers:
-            h.update(b)
         header = _HEADER.pack(
-            _MAGIC, _FORMAT, self.key, block_hash, self.block_bytes, h.intdigest()
+            _MAGIC, _FORMAT, self.key, block_hash, self.block_bytes, _checksum(buffers)
         )
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         tmp = os.path.join(
@@ -371,4 +368,5 @@ def open_prefix_store(
         )
         return None
     max_bytes = int(config.prefix_cache_gib * (1 << 30))
-    return DiskPrefixStore.open(config.prefix_cache_dir, max_bytes, model_key(parts), kv_caches)
+    key = parts_digest(parts)  # the 32-byte model key every entry carries
+    return DiskPrefixStore.open(config.prefix_cache_dir, max_bytes, key, kv_caches)

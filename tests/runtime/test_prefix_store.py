@@ -125,6 +125,28 @@ def test_prefix_store_damaged_entry_is_a_miss_with_a_log_line(tmp_path, caplog, 
     assert "prefix cache: ignoring" in caplog.text
 
 
+def test_prefix_store_a_failed_write_does_not_hold_the_queue(tmp_path, monkeypatch):
+    """A write that fails (a full disk) is logged, and its copies stop counting against the
+    queue's cap: later blocks are still written, not dropped."""
+    from ember.runtime import prefix_store
+
+    store = opened(tmp_path / "pc", make_caches(torch.float32))
+    monkeypatch.setattr(prefix_store, "_MAX_QUEUED_BYTES", store.block_bytes)
+    write = store._write
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    store._write = full_disk
+    store.save([1], [h(1)])
+    store.flush()
+    store._write = write
+    store.save([2], [h(2)])
+    store.flush()
+    assert store.stats.blocks_written == 1 and store.stats.dropped == 0
+    assert store.read(3, h(2))
+
+
 def test_prefix_store_entry_being_written_is_a_miss(tmp_path):
     """A writer's temporary file is never read; only the rename publishes an entry."""
     store = opened(tmp_path / "pc", make_caches(torch.float32))
