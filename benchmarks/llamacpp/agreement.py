@@ -23,14 +23,11 @@ type from one real model, requantize the demo model's file with llama.cpp:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
-import subprocess
 import time
-import urllib.request
 
 import torch
+from llama_server import llama_server, post  # this directory's (run as a script)
 
 PROMPTS = [
     "The capital of France is",
@@ -58,39 +55,16 @@ def ember_greedy(path: str, max_tokens: int, kv_cache_dtype: str) -> list[tuple[
 def llamacpp_greedy(bin_dir: str, path: str, prompts: list[list[int]], max_tokens: int) -> list:
     """(prompt ids, greedy ids) of each prompt from llama-server on `path`: the same token ids
     in, top-k 1 sampling, EOS ignored, no prompt cache."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [f"{bin_dir}/llama-server", "-m", path, "--port", str(port), "-c", "512", "-t", "2",
-         "-np", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
-        pairs = []
+    pairs = []
+    with llama_server(bin_dir, path, ["-c", "512"]) as url:
         for ids in prompts:
             body = {
                 "prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
                 "samplers": ["top_k"], "ignore_eos": True, "cache_prompt": False,
                 "return_tokens": True,
             }  # fmt: skip
-            req = urllib.request.Request(
-                f"{url}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
-            )
-            with urllib.request.urlopen(req, timeout=600) as r:
-                pairs.append((ids, json.loads(r.read())["tokens"]))
-        return pairs
-    finally:
-        server.terminate()
-        server.wait()
+            pairs.append((ids, post(f"{url}/completion", body)["tokens"]))
+    return pairs
 
 
 def agreement(path: str, pairs: list[tuple[list, list]]) -> dict:

@@ -17,83 +17,43 @@ usage: python benchmarks/llamacpp/prompt_cache.py FILE.gguf --llama-cpp BIN_DIR
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
-import urllib.request
 
 import torch
+from llama_server import llama_server, post  # this directory's (run as a script)
 
 
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=900) as r:
-        return json.loads(r.read())
-
-
-class Server:
-    def __init__(self, bin_dir: str, path: str, ctx: int, slots: str, repack: bool) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = dict(os.environ, **({} if repack else {"LLAMA_ARG_REPACK": "0"}))
-        self.proc = subprocess.Popen(
-            [f"{bin_dir}/llama-server", "-m", path, "--port", str(port), "-c", str(ctx),
-             "-t", "2", "-np", "1", "--slot-save-path", slots],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-        )  # fmt: skip
-        self.url = f"http://127.0.0.1:{port}"
-        for _ in range(1200):
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("llama-server did not start")
-
-    def complete(self, ids: list[int]) -> dict:
-        """The /completion timings (prompt_ms, prompt_n, ...) of 16 greedy tokens."""
-        body = {"prompt": ids, "n_predict": 16, "temperature": 0.0, "top_k": 1,
-                "samplers": ["top_k"], "ignore_eos": True, "cache_prompt": True}  # fmt: skip
-        return _post(f"{self.url}/completion", body)["timings"]
-
-    def slot(self, action: str, filename: str) -> dict:
-        return _post(f"{self.url}/slots/0?action={action}", {"filename": filename})
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait()
+def complete(url: str, ids: list[int]) -> dict:
+    """The /completion timings (prompt_ms, prompt_n, ...) of 16 greedy tokens."""
+    body = {"prompt": ids, "n_predict": 16, "temperature": 0.0, "top_k": 1,
+            "samplers": ["top_k"], "ignore_eos": True, "cache_prompt": True}  # fmt: skip
+    return post(f"{url}/completion", body)["timings"]
 
 
 def llamacpp_prefix(args: argparse.Namespace, vocab: int, seed: int) -> dict[str, float]:
     g = torch.Generator().manual_seed(seed)
     prefix = torch.randint(0, vocab, (args.prefix_len,), generator=g).tolist()
     questions = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(3)]
-    ctx = args.prefix_len + 256
     with tempfile.TemporaryDirectory() as slots:
-        server = Server(args.llama_cpp, args.gguf, ctx, slots, not args.no_repack)
-        try:
-            server.complete(questions[2])  # first use
-            cold = server.complete(prefix + questions[0])
-            saved = server.slot("save", "prefix.bin")
-        finally:
-            server.stop()
+        server = functools.partial(
+            llama_server, args.llama_cpp, args.gguf,
+            ["-c", str(args.prefix_len + 256), "--slot-save-path", slots], not args.no_repack,
+        )  # fmt: skip
+        with server() as url:
+            complete(url, questions[2])  # first use
+            cold = complete(url, prefix + questions[0])
+            saved = post(f"{url}/slots/0?action=save", {"filename": "prefix.bin"})
         size_mb = os.path.getsize(os.path.join(slots, "prefix.bin")) / 1e6
-        server = Server(args.llama_cpp, args.gguf, ctx, slots, not args.no_repack)
-        try:
+        with server() as url:
             t = time.perf_counter()
-            restored = server.slot("restore", "prefix.bin")
+            restored = post(f"{url}/slots/0?action=restore", {"filename": "prefix.bin"})
             restore_ms = (time.perf_counter() - t) * 1e3
-            warm = server.complete(prefix + questions[1])
-        finally:
-            server.stop()
+            warm = complete(url, prefix + questions[1])
     return {
         "cold_ms": cold["prompt_ms"],
         "save_ms": saved["timings"]["save_ms"],
